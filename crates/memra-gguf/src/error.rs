@@ -77,20 +77,26 @@ pub enum ErrorKind {
     ElementCountOverflow { tensor: String, dims: Vec<u64> },
     #[error("tensor {tensor:?} has unknown ggml type id {id}")]
     UnknownTensorType { tensor: String, id: u32 },
-    #[error("tensor {tensor:?}: row length {ne0} is not a multiple of the {ty} block size {block}")]
+    #[error(
+        "tensor {tensor:?}: row length {ne0} is not a multiple of the {ty} block size {block}"
+    )]
     RowNotBlockMultiple {
         tensor: String,
         ty: GgmlType,
         ne0: u64,
         block: usize,
     },
-    #[error("tensor {tensor:?} data offset {offset} is not a multiple of the alignment {alignment}")]
+    #[error(
+        "tensor {tensor:?} data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
     MisalignedTensor {
         tensor: String,
         offset: u64,
         alignment: u64,
     },
-    #[error("tensor {tensor:?} data [{start}, {end}) lies outside the {data_len}-byte data section")]
+    #[error(
+        "tensor {tensor:?} data [{start}, {end}) lies outside the {data_len}-byte data section"
+    )]
     TensorOutOfFile {
         tensor: String,
         start: u64,

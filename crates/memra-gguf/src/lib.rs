@@ -15,8 +15,8 @@ pub mod error;
 pub mod metadata;
 pub mod quant;
 pub mod reader;
-pub mod types;
 pub mod test_files;
+pub mod types;
 pub mod writer;
 
 pub use error::{ErrorKind, GgufError, MetadataError, WriteError};

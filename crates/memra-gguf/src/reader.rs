@@ -238,7 +238,10 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header> {
             let at = c.pos;
             let d = c.u64("tensor dimension")?;
             if d == 0 {
-                return Err(GgufError::new(at, ErrorKind::ZeroDim { tensor: name, axis }));
+                return Err(GgufError::new(
+                    at,
+                    ErrorKind::ZeroDim { tensor: name, axis },
+                ));
             }
             dims.push(d);
         }

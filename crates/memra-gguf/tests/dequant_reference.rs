@@ -129,7 +129,10 @@ fn tiny_model_tensors_match_gguf_py() {
 fn real_model_tensors_match_gguf_py() {
     let r = reference();
     let by_file = cases_by_file(&r);
-    let real: Vec<_> = by_file.iter().filter(|(f, _)| !f.starts_with("tiny-")).collect();
+    let real: Vec<_> = by_file
+        .iter()
+        .filter(|(f, _)| !f.starts_with("tiny-"))
+        .collect();
     assert_eq!(real.len(), 3);
     for (file, cases) in real {
         check_model(file, &real_model(file), cases);

@@ -46,7 +46,12 @@ const DOT_TYPES: [GgmlType; 16] = [
 
 fn random_blocks(ty: GgmlType, n_blocks: usize, bytes: &[u8], scales: &[f32]) -> Vec<u8> {
     let size = ty.type_size();
-    let mut raw: Vec<u8> = bytes.iter().cycle().take(n_blocks * size).copied().collect();
+    let mut raw: Vec<u8> = bytes
+        .iter()
+        .cycle()
+        .take(n_blocks * size)
+        .copied()
+        .collect();
     for (b, block) in raw.chunks_exact_mut(size).enumerate() {
         for (k, &off) in f16_fields(ty).iter().enumerate() {
             let s = scales[(b * 2 + k) % scales.len()];
@@ -64,7 +69,10 @@ fn random_blocks(ty: GgmlType, n_blocks: usize, bytes: &[u8], scales: &[f32]) ->
 }
 
 fn dot64(a: &[f32], b: &[f32]) -> f64 {
-    a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum()
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+        .sum()
 }
 
 proptest! {
@@ -184,9 +192,16 @@ fn hand_computed_activation_blocks() {
     let mut q = Vec::new();
     quantize_activations(GgmlType::Q8_0, &x, &mut q).unwrap();
     assert_eq!(q.len(), 34);
-    assert_eq!(f16::from_le_bytes([q[0], q[1]]), f16::from_f32(32.0 / 127.0));
+    assert_eq!(
+        f16::from_le_bytes([q[0], q[1]]),
+        f16::from_f32(32.0 / 127.0)
+    );
     assert_eq!(q[2 + 31] as i8, 127);
-    assert_eq!(q[2 + 15] as i8, 64, "16 * 127/32 = 63.5 rounds away from zero");
+    assert_eq!(
+        q[2 + 15] as i8,
+        64,
+        "16 * 127/32 = 63.5 rounds away from zero"
+    );
 
     // Q8_1 also stores s = d * sum(q).
     let mut q1 = Vec::new();
@@ -219,7 +234,11 @@ fn bad_lengths_and_types_are_errors() {
     let mut out = vec![0f32; 32];
     assert!(matches!(
         dequantize(GgmlType::Q4_0, &[0u8; 17], &mut out),
-        Err(QuantError::ByteLength { expected: 18, got: 17, .. })
+        Err(QuantError::ByteLength {
+            expected: 18,
+            got: 17,
+            ..
+        })
     ));
     let mut odd = vec![0f32; 33];
     assert!(matches!(

@@ -117,7 +117,10 @@ fn nibbles(qs: &[u8; QK / 2]) -> impl Iterator<Item = (usize, u8, u8)> + '_ {
 #[inline]
 fn fifth_bits(qh: [u8; 4], j: usize) -> (u8, u8) {
     let h = u32::from_le_bytes(qh);
-    ((((h >> j) & 1) << 4) as u8, (((h >> (j + 16)) & 1) << 4) as u8)
+    (
+        (((h >> j) & 1) << 4) as u8,
+        (((h >> (j + 16)) & 1) << 4) as u8,
+    )
 }
 
 /// Integer dot product of 32 weight levels with 32 activation quants.
