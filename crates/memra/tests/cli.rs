@@ -1,0 +1,300 @@
+//! The `memra` binary end to end: `inspect` against gguf-py's view of every model, bad
+//! files and bad arguments, and `synth` output read back.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use memra_gguf::test_files::{malformed_corpus, real_model, tiny_model};
+use serde_json::Value;
+
+fn memra(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memra"))
+        .args(args)
+        .output()
+        .expect("run memra")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+/// Label -> value of the `label   value` lines of `memra inspect`.
+fn fields(text: &str) -> HashMap<String, String> {
+    text.lines()
+        .take_while(|l| !l.is_empty())
+        .filter(|l| l.len() > 16)
+        .map(|l| (l[..16].trim().to_string(), l[16..].to_string()))
+        .collect()
+}
+
+/// Type -> (tensors, bytes) from the type table.
+fn type_table(text: &str) -> HashMap<String, (u64, u64)> {
+    let num = |s: &str| s.replace(',', "").parse::<u64>().unwrap();
+    text.lines()
+        .skip_while(|l| !l.starts_with("type "))
+        .skip(1)
+        .take_while(|l| !l.starts_with("total"))
+        .map(|l| {
+            let c: Vec<&str> = l.split_whitespace().collect();
+            (c[0].to_string(), (num(c[1]), num(c[3])))
+        })
+        .collect()
+}
+
+const LABELS: [(&str, &str); 9] = [
+    ("context_length", "context length"),
+    ("embedding_length", "embedding"),
+    ("block_count", "layers"),
+    ("feed_forward_length", "ffn width"),
+    ("attention.head_count", "heads"),
+    ("attention.head_count_kv", "kv heads"),
+    ("attention.key_length", "head dim (k)"),
+    ("attention.sliding_window", "sliding window"),
+    ("expert_count", "experts"),
+];
+
+fn check_against_reference(path: &Path, want: &Value) {
+    let out = memra(&["inspect", path.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    let f = fields(&text);
+    let what = path.display();
+    assert_eq!(
+        f["architecture"],
+        want["architecture"].as_str().unwrap(),
+        "{what}"
+    );
+    assert!(
+        f["format"].contains(&format!(
+            "{} metadata keys, {} tensors",
+            want["metadata_keys"], want["tensors"]
+        )),
+        "{what}: {}",
+        f["format"]
+    );
+    assert!(f["file"].contains(&format!(
+        "({} bytes",
+        group(want["file_size"].as_u64().unwrap())
+    )));
+    for (key, label) in LABELS {
+        if let Some(v) = want["hyperparameters"].get(key) {
+            assert_eq!(f[label], v.to_string(), "{what}: {label}");
+        }
+    }
+    let tok = &f["tokenizer"];
+    assert!(
+        tok.starts_with(want["tokenizer_model"].as_str().unwrap()),
+        "{what}: {tok}"
+    );
+    assert!(
+        tok.contains(&format!("{} tokens", want["n_tokens"])),
+        "{what}: {tok}"
+    );
+    let table = type_table(&text);
+    let want_types = want["types"].as_object().unwrap();
+    assert_eq!(table.len(), want_types.len(), "{what}: {table:?}");
+    for (ty, v) in want_types {
+        let (n, bytes) = (v[0].as_u64().unwrap(), v[1].as_u64().unwrap());
+        assert_eq!(table[ty], (n, bytes), "{what}: {ty}");
+    }
+}
+
+fn group(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn reference() -> serde_json::Map<String, Value> {
+    let v: Value = serde_json::from_str(include_str!("data/inspect-reference.json")).unwrap();
+    v.as_object().unwrap().clone()
+}
+
+#[test]
+fn inspect_reports_tiny_models_as_gguf_py_sees_them() {
+    let r = reference();
+    let tiny: Vec<_> = r.iter().filter(|(k, _)| k.starts_with("tiny-")).collect();
+    assert_eq!(tiny.len(), 5);
+    let mut types = std::collections::BTreeSet::new();
+    for (file, want) in tiny {
+        check_against_reference(&tiny_model(file), want);
+        types.extend(want["types"].as_object().unwrap().keys().cloned());
+    }
+    assert_eq!(types.len(), 14, "13 weight types and F32: {types:?}");
+}
+
+#[test]
+fn inspect_reports_real_models_as_gguf_py_sees_them() {
+    let r = reference();
+    let real: Vec<_> = r.iter().filter(|(k, _)| !k.starts_with("tiny-")).collect();
+    assert_eq!(real.len(), 3);
+    for (file, want) in real {
+        check_against_reference(&real_model(file), want);
+    }
+}
+
+#[test]
+fn inspect_real_models_match_the_model_table() {
+    // ../shared/models/README.md: shapes as published.
+    let q = stdout(&memra(&[
+        "inspect",
+        real_model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+            .to_str()
+            .unwrap(),
+    ]));
+    let f = fields(&q);
+    assert_eq!(
+        (
+            f["layers"].as_str(),
+            f["embedding"].as_str(),
+            f["heads"].as_str(),
+            f["kv heads"].as_str()
+        ),
+        ("24", "896", "14", "2")
+    );
+    assert!(f["tokenizer"].starts_with("gpt2 (byte-level BPE), pre qwen2, 151936 tokens"));
+    let g = stdout(&memra(&[
+        "inspect",
+        real_model("gemma-3-270m-q4_k_m.gguf").to_str().unwrap(),
+    ]));
+    let f = fields(&g);
+    assert_eq!(
+        (
+            f["layers"].as_str(),
+            f["embedding"].as_str(),
+            f["heads"].as_str(),
+            f["kv heads"].as_str()
+        ),
+        ("18", "640", "4", "1")
+    );
+    assert_eq!(
+        (f["head dim (k)"].as_str(), f["sliding window"].as_str()),
+        ("256", "512")
+    );
+    assert!(f["tokenizer"].starts_with("llama (SentencePiece BPE)"));
+    assert!(f["tokenizer"].contains("262144 tokens"));
+}
+
+#[test]
+fn inspect_all_lists_every_key_and_tensor() {
+    let out = memra(&[
+        "inspect",
+        "--all",
+        tiny_model("tiny-qwen3moe.gguf").to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    let f = memra_gguf::GgufFile::open(tiny_model("tiny-qwen3moe.gguf")).unwrap();
+    for (k, _) in f.metadata.iter() {
+        assert!(text.contains(&format!("  {k} ")), "key {k}");
+    }
+    for t in &f.tensors {
+        assert!(
+            text.contains(&format!("  {:<40} {:<8} ", t.name, t.ty.name())),
+            "tensor {}",
+            t.name
+        );
+    }
+}
+
+#[test]
+fn bad_files_exit_1_with_a_one_line_error() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Every 5th truncation point keeps the process count moderate; the library test
+    // covers every offset.
+    let cases = malformed_corpus(5);
+    for (i, case) in cases.iter().enumerate() {
+        let path = dir.join(format!("case{i}.gguf"));
+        std::fs::write(&path, &case.bytes).unwrap();
+        let out = memra(&["inspect", path.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}: {err}", case.name);
+        assert!(out.stdout.is_empty(), "{}: printed to stdout", case.name);
+        assert_eq!(err.lines().count(), 1, "{}: {err}", case.name);
+        assert!(err.starts_with("error: "), "{}: {err}", case.name);
+        assert!(case.message_fits(&err), "{}: {err}", case.name);
+    }
+    let missing = memra(&["inspect", dir.join("absent.gguf").to_str().unwrap()]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("absent.gguf"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn synth_writes_a_model_inspect_can_read() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("l1b.gguf");
+    let out = memra(&[
+        "synth",
+        "--shape",
+        "llama3-1b",
+        "--quant",
+        "q4_0",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&memra(&["inspect", path.to_str().unwrap()]));
+    let f = fields(&text);
+    assert_eq!(
+        (
+            f["layers"].as_str(),
+            f["embedding"].as_str(),
+            f["heads"].as_str(),
+            f["kv heads"].as_str(),
+            f["ffn width"].as_str()
+        ),
+        ("16", "2048", "32", "8", "8192")
+    );
+    let table = type_table(&text);
+    // 16 layers x 7 matrices + token_embd; output is Q6_K.
+    assert_eq!(table["Q4_0"].0, 16 * 7 + 1);
+    assert_eq!(table["Q6_K"].0, 1);
+    assert_eq!(table["F32"].0, 16 * 2 + 1);
+
+    // The blocks decode to finite, moderate weights.
+    let g = memra_gguf::GgufFile::open(&path).unwrap();
+    let t = g.tensor("blk.3.ffn_down.weight").unwrap();
+    let v = memra_gguf::quant::dequantize_to_vec(t.ty, &g.tensor_data(t)[..18 * 1024]).unwrap();
+    assert!(
+        v.iter().all(|x| x.is_finite() && x.abs() < 0.02),
+        "weights out of range"
+    );
+    assert!(v.iter().any(|&x| x != 0.0));
+    let norm = g.tensor("blk.0.attn_norm.weight").unwrap();
+    let n = memra_gguf::quant::dequantize_to_vec(norm.ty, g.tensor_data(norm)).unwrap();
+    assert!(n.iter().all(|x| (0.9..=1.1).contains(x)));
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    for (shape, quant) in [("llama3-9b", "q4_0"), ("llama3-1b", "q3_k")] {
+        let o = memra(&[
+            "synth",
+            "--shape",
+            shape,
+            "--quant",
+            quant,
+            "-o",
+            "/dev/null",
+        ]);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&o.stderr).starts_with("error: unknown"));
+    }
+}
