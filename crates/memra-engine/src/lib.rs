@@ -1,4 +1,5 @@
-//! memra-engine: the model runtime. For now it holds model synthesis (`memra synth`);
-//! architectures, tokenizers, backends and the scheduler grow here.
+//! memra-engine: the model runtime. Today: tokenizers and chat templates (`tokenizer`),
+//! and model synthesis (`synth`); architectures, backends and the scheduler grow here.
 
 pub mod synth;
+pub mod tokenizer;

@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 
 use super::rng::Rng;
+use crate::tokenizer::unicode::byte_to_char;
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`).
 pub const TOKEN_NORMAL: i32 = 1;
@@ -18,24 +19,6 @@ pub struct Vocab {
     pub merges: Vec<String>,
     pub bos: u32,
     pub eos: u32,
-}
-
-/// GPT-2's printable stand-in for each byte: printable Latin-1 bytes stand for themselves,
-/// the rest map to U+0100 upwards in byte order.
-pub fn byte_to_unicode() -> [char; 256] {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let mut out = ['\0'; 256];
-    let mut next = 256u32;
-    for b in 0..256u32 {
-        out[b as usize] = if printable(b) {
-            char::from_u32(b).expect("Latin-1")
-        } else {
-            next += 1;
-            char::from_u32(next - 1).expect("below U+0200")
-        };
-    }
-    out
 }
 
 /// Special tokens of a tokenizer family (`tokenizer.ggml.pre`), padded with reserved ones
@@ -76,7 +59,7 @@ pub fn byte_level_bpe(n_vocab: usize, pre: &str, seed: u64) -> Vocab {
     let (special, bos, eos) = specials(pre);
     assert!(n_vocab >= 256 + special.len(), "vocab too small");
     let n_normal = n_vocab - special.len();
-    let mut tokens: Vec<String> = byte_to_unicode().iter().map(|c| c.to_string()).collect();
+    let mut tokens: Vec<String> = byte_to_char().iter().map(|c| c.to_string()).collect();
     let mut lens: Vec<usize> = vec![1; 256];
     let mut seen: HashSet<String> = tokens.iter().cloned().collect();
     let mut merges = Vec::with_capacity(n_normal - 256);
@@ -114,17 +97,6 @@ pub fn byte_level_bpe(n_vocab: usize, pre: &str, seed: u64) -> Vocab {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn byte_alphabet_is_a_bijection_without_spaces() {
-        let m = byte_to_unicode();
-        let set: HashSet<char> = m.iter().copied().collect();
-        assert_eq!(set.len(), 256);
-        assert_eq!(m[b'a' as usize], 'a');
-        assert_eq!(m[b' ' as usize], 'Ġ');
-        assert_eq!(m[b'\n' as usize], 'Ċ');
-        assert!(!set.contains(&' '));
-    }
 
     #[test]
     fn merges_build_only_from_earlier_tokens() {
