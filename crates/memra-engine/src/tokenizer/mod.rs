@@ -217,7 +217,7 @@ impl Tokenizer {
                     &merges,
                     &token_id,
                     pretokenize::ignores_merges(pre_name),
-                )?,
+                )?),
                 pre: PreTokenizer::from_name(pre_name)?,
             }
         };
