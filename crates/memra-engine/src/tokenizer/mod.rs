@@ -84,7 +84,7 @@ enum Model {
         pre: PreTokenizer,
     },
     Spm {
-        encoder: SentencePiece,
+        encoder: Box<SentencePiece>,
         scores: Vec<f32>,
         add_space_prefix: bool,
     },
@@ -200,7 +200,7 @@ impl Tokenizer {
                 )));
             }
             Model::Spm {
-                encoder: SentencePiece::new(&token_id),
+                encoder: Box::new(SentencePiece::new(&token_id)),
                 scores,
                 add_space_prefix: m
                     .get_bool("tokenizer.ggml.add_space_prefix")?
