@@ -2,6 +2,7 @@
 
 mod inspect;
 mod synth;
+mod tokenize;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,6 +45,51 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Turn text into token ids with the model's tokenizer (as llama-tokenize does).
+    Tokenize {
+        /// The GGUF file.
+        #[arg(short, long)]
+        model: PathBuf,
+        /// The text.
+        #[arg(short, long)]
+        prompt: Option<String>,
+        /// Read the text from a file, verbatim.
+        #[arg(short, long)]
+        file: Option<PathBuf>,
+        /// Read the text from standard input.
+        #[arg(long)]
+        stdin: bool,
+        /// Do not add BOS/EOS even if the model asks for them.
+        #[arg(long)]
+        no_bos: bool,
+        /// Treat special-token text in the input as plain text.
+        #[arg(long)]
+        no_parse_special: bool,
+        /// Print only the ids, as one `[id, id, ...]` line.
+        #[arg(long)]
+        ids: bool,
+        /// Measure encoding speed instead of printing tokens.
+        #[arg(long)]
+        bench: bool,
+    },
+    /// Render a conversation with the model's chat template.
+    Template {
+        /// The GGUF file.
+        #[arg(short, long)]
+        model: PathBuf,
+        /// JSON array of messages (`[{"role": "user", "content": "Hi"}]`).
+        #[arg(long)]
+        messages: PathBuf,
+        /// JSON array of tool definitions.
+        #[arg(long)]
+        tools: Option<PathBuf>,
+        /// Leave out the prompt that starts the assistant's turn.
+        #[arg(long)]
+        no_generation_prompt: bool,
+        /// A built-in template (chatml, llama3, gemma) or a template file, instead of the model's.
+        #[arg(long)]
+        template: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -56,6 +102,38 @@ fn main() -> ExitCode {
             output,
             seed,
         } => synth::run(&shape, &quant, &output, seed),
+        Command::Tokenize {
+            model,
+            prompt,
+            file,
+            stdin,
+            no_bos,
+            no_parse_special,
+            ids,
+            bench,
+        } => tokenize::tokenize(tokenize::TokenizeArgs {
+            model: &model,
+            prompt: prompt.as_deref(),
+            file: file.as_deref(),
+            stdin,
+            no_bos,
+            no_parse_special,
+            ids,
+            bench,
+        }),
+        Command::Template {
+            model,
+            messages,
+            tools,
+            no_generation_prompt,
+            template,
+        } => tokenize::template(
+            &model,
+            &messages,
+            tools.as_deref(),
+            no_generation_prompt,
+            template.as_deref(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -298,3 +298,163 @@ fn synth_writes_a_model_inspect_can_read() {
         assert!(String::from_utf8_lossy(&o.stderr).starts_with("error: unknown"));
     }
 }
+
+fn golden(file: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(
+        memra_gguf::test_files::shared_dir()
+            .join("golden")
+            .join(file),
+    )
+    .unwrap();
+    serde_json::from_str::<Value>(&text)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn tokenize_ids_print_like_llama_tokenize() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut checked = 0;
+    for case in golden("tokenize.json") {
+        let model = real_model(&format!("{}.gguf", case["model"].as_str().unwrap()));
+        // The text goes through a file, read verbatim, like llama-tokenize -f.
+        let path = dir.join("text.txt");
+        std::fs::write(&path, case["text"].as_str().unwrap()).unwrap();
+        let mut args = vec![
+            "tokenize",
+            "-m",
+            model.to_str().unwrap(),
+            "-f",
+            path.to_str().unwrap(),
+            "--ids",
+        ];
+        if !case["parse_special"].as_bool().unwrap() {
+            args.push("--no-parse-special");
+        }
+        let out = memra(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let ids: Vec<String> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_string())
+            .collect();
+        assert_eq!(stdout(&out), format!("[{}]\n", ids.join(", ")), "{case}");
+        checked += 1;
+    }
+    assert_eq!(checked, 48);
+
+    let qwen = real_model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    let q = qwen.to_str().unwrap();
+    let pieces = stdout(&memra(&[
+        "tokenize",
+        "-m",
+        q,
+        "-p",
+        "Hello world<|im_end|>",
+    ]));
+    assert_eq!(
+        pieces,
+        "  9707 -> 'Hello'\n  1879 -> ' world'\n151645 -> '<|im_end|>'\n"
+    );
+
+    let bad = dir.join("bad.txt");
+    std::fs::write(&bad, b"ok \xff\xfe").unwrap();
+    let out = memra(&["tokenize", "-m", q, "-f", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not valid UTF-8 (bad byte at offset 3)"));
+    let out = memra(&["tokenize", "-m", q]);
+    assert_eq!(out.status.code(), Some(1), "no input given");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn template_renders_conversations_and_refuses_bad_ones() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-tpl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, v: &Value| {
+        let p = dir.join(name);
+        std::fs::write(&p, v.to_string()).unwrap();
+        p
+    };
+    for case in golden("chat_template.json")
+        .iter()
+        .filter(|c| c["model"].as_str().unwrap().contains("0.5b"))
+    {
+        let model = real_model(&format!("{}.gguf", case["model"].as_str().unwrap()));
+        let messages = write("messages.json", &case["messages"]);
+        let mut args = vec![
+            "template".to_string(),
+            "-m".into(),
+            model.to_str().unwrap().into(),
+            "--messages".into(),
+            messages.to_str().unwrap().into(),
+        ];
+        if !case["tools"].is_null() {
+            args.extend([
+                "--tools".into(),
+                write("tools.json", &case["tools"]).to_str().unwrap().into(),
+            ]);
+        }
+        if !case["add_generation_prompt"].as_bool().unwrap() {
+            args.push("--no-generation-prompt".into());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = memra(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(stdout(&out), case["rendered"].as_str().unwrap());
+    }
+
+    let gemma = real_model("gemma-3-270m-q4_k_m.gguf");
+    let g = gemma.to_str().unwrap();
+    let messages = write(
+        "m.json",
+        &serde_json::json!([{"role": "user", "content": "Hi"}]),
+    );
+    let m = messages.to_str().unwrap();
+    let out = memra(&["template", "-m", g, "--messages", m]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has no chat template"));
+    let out = memra(&["template", "-m", g, "--messages", m, "--template", "gemma"]);
+    assert_eq!(
+        stdout(&out),
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    );
+
+    let raising = dir.join("raise.jinja");
+    std::fs::write(&raising, "{{ raise_exception('roles must alternate') }}").unwrap();
+    let out = memra(&[
+        "template",
+        "-m",
+        g,
+        "--messages",
+        m,
+        "--template",
+        raising.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("roles must alternate"));
+    let not_array = write("obj.json", &serde_json::json!({"role": "user"}));
+    let out = memra(&[
+        "template",
+        "-m",
+        g,
+        "--messages",
+        not_array.to_str().unwrap(),
+        "--template",
+        "chatml",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

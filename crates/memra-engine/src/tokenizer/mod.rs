@@ -103,6 +103,8 @@ pub struct Tokenizer {
     token_id: HashMap<String, u32>,
     /// Special tokens, longest text first.
     specials: Vec<u32>,
+    /// Ranks in `specials` of the tokens starting with each byte.
+    specials_by_first_byte: Vec<Vec<usize>>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     unknown: Option<u32>,
@@ -225,6 +227,10 @@ impl Tokenizer {
             .filter(|&i| types[i as usize].is_special() && !tokens[i as usize].is_empty())
             .collect();
         specials.sort_by_key(|&i| std::cmp::Reverse(tokens[i as usize].len()));
+        let mut specials_by_first_byte = vec![Vec::new(); 256];
+        for (rank, &id) in specials.iter().enumerate() {
+            specials_by_first_byte[tokens[id as usize].as_bytes()[0] as usize].push(rank);
+        }
         let mut end_of_generation: Vec<u32> = eos.into_iter().chain(eot).collect();
         for text in END_OF_TURN_TEXTS {
             if let Some(&i) = token_id.get(text) {
@@ -239,6 +245,7 @@ impl Tokenizer {
             types,
             token_id,
             specials,
+            specials_by_first_byte,
             bos,
             eos,
             unknown,
@@ -270,35 +277,69 @@ impl Tokenizer {
         self.end_of_generation.contains(&id)
     }
 
-    /// Cuts special-token texts out of the input (llama.cpp `tokenizer_st_partition`).
-    /// Without `parse_special`, control and unknown tokens stay plain text; user-defined
-    /// tokens are always matched.
+    /// Cuts special-token texts out of the input, as llama.cpp's `tokenizer_st_partition`
+    /// does: specials are taken longest first, each claiming its occurrences left to right
+    /// in the text the longer ones left. Without `parse_special`, control and unknown
+    /// tokens stay plain text; user-defined tokens are always matched.
+    ///
+    /// llama.cpp scans the whole text once per special token, which is slow for vocabularies
+    /// with thousands of them (Gemma 3: 6,414); here one pass finds every occurrence through
+    /// a first-byte index, and the claiming replays llama.cpp's order on those occurrences.
     fn partition(&self, text: &str, parse_special: bool) -> Vec<Fragment> {
-        let mut fragments = vec![Fragment::Text(0, text.len())];
-        for &sid in &self.specials {
-            let ty = self.types[sid as usize];
-            if !parse_special && matches!(ty, TokenType::Control | TokenType::Unknown) {
-                continue;
-            }
-            let needle = self.tokens[sid as usize].as_str();
-            let mut next = Vec::with_capacity(fragments.len());
-            for f in fragments {
-                let Fragment::Text(mut start, end) = f else {
-                    next.push(f);
-                    continue;
-                };
-                while let Some(found) = text[start..end].find(needle) {
-                    if found > 0 {
-                        next.push(Fragment::Text(start, start + found));
-                    }
-                    next.push(Fragment::Token(sid));
-                    start += found + needle.len();
-                }
-                if start < end {
-                    next.push(Fragment::Text(start, end));
+        let bytes = text.as_bytes();
+        let eligible = |id: u32| {
+            parse_special
+                || !matches!(
+                    self.types[id as usize],
+                    TokenType::Control | TokenType::Unknown
+                )
+        };
+        // Occurrences of each special token, by its rank in `self.specials`.
+        let mut found: Vec<(usize, usize)> = Vec::new(); // (rank, position)
+        for (pos, &b) in bytes.iter().enumerate() {
+            for &rank in &self.specials_by_first_byte[b as usize] {
+                let id = self.specials[rank];
+                if eligible(id) && bytes[pos..].starts_with(self.tokens[id as usize].as_bytes()) {
+                    found.push((rank, pos));
                 }
             }
-            fragments = next;
+        }
+        if found.is_empty() {
+            // Empty text has no fragment at all (no space prefix either).
+            return if text.is_empty() {
+                Vec::new()
+            } else {
+                vec![Fragment::Text(0, text.len())]
+            };
+        }
+        found.sort_unstable();
+        // Claimed spans: start -> (end, token).
+        let mut claimed: std::collections::BTreeMap<usize, (usize, u32)> = Default::default();
+        let mut last = (usize::MAX, 0); // (rank, end of its previous claim)
+        for (rank, pos) in found {
+            let id = self.specials[rank];
+            let end = pos + self.tokens[id as usize].len();
+            if last.0 == rank && pos < last.1 {
+                continue; // overlaps this token's previous occurrence
+            }
+            let before = claimed.range(..end).next_back();
+            if before.is_some_and(|(_, &(e, _))| e > pos) {
+                continue; // overlaps a longer token's claim
+            }
+            claimed.insert(pos, (end, id));
+            last = (rank, end);
+        }
+        let mut fragments = Vec::with_capacity(2 * claimed.len() + 1);
+        let mut at = 0;
+        for (start, (end, id)) in claimed {
+            if start > at {
+                fragments.push(Fragment::Text(at, start));
+            }
+            fragments.push(Fragment::Token(id));
+            at = end;
+        }
+        if at < text.len() {
+            fragments.push(Fragment::Text(at, text.len()));
         }
         fragments
     }
@@ -451,4 +492,92 @@ impl Tokenizer {
 fn parse_byte_token(text: &str) -> Option<u8> {
     let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
     u8::from_str_radix(hex, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memra_gguf::{string_array, Value, ValueType};
+
+    /// A byte-level vocabulary plus overlapping special tokens of every kind.
+    fn tokenizer_with_specials() -> Tokenizer {
+        let mut tokens: Vec<String> = unicode::byte_to_char()
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        let mut types = vec![1i32; tokens.len()];
+        for (text, ty) in [
+            ("ab", 3),
+            ("abc", 4),
+            ("bca", 3),
+            ("ca", 4),
+            ("<x>", 3),
+            ("x", 2),
+            ("cab", 4),
+        ] {
+            tokens.push(text.into());
+            types.push(ty);
+        }
+        let mut m = Metadata::new();
+        m.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+        m.set("tokenizer.ggml.tokens", string_array(tokens));
+        m.set(
+            "tokenizer.ggml.token_type",
+            Value::Array(ValueType::I32, types.into_iter().map(Value::I32).collect()),
+        );
+        m.set("tokenizer.ggml.merges", string_array(Vec::<String>::new()));
+        Tokenizer::from_metadata(&m).unwrap()
+    }
+
+    /// llama.cpp's partition as written there: one pass over the fragments per token.
+    fn partition_naive(
+        t: &Tokenizer,
+        text: &str,
+        parse_special: bool,
+    ) -> Vec<(bool, usize, usize)> {
+        let mut frags = vec![(false, 0usize, text.len())]; // (is_token, start/id, end)
+        for &id in &t.specials {
+            let ty = t.types[id as usize];
+            if !parse_special && matches!(ty, TokenType::Control | TokenType::Unknown) {
+                continue;
+            }
+            let needle = &t.tokens[id as usize];
+            let mut next = Vec::new();
+            for f in frags {
+                if f.0 {
+                    next.push(f);
+                    continue;
+                }
+                let (mut s, e) = (f.1, f.2);
+                while let Some(k) = text[s..e].find(needle.as_str()) {
+                    if k > 0 {
+                        next.push((false, s, s + k));
+                    }
+                    next.push((true, id as usize, 0));
+                    s += k + needle.len();
+                }
+                if s < e {
+                    next.push((false, s, e));
+                }
+            }
+            frags = next;
+        }
+        frags
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn partition_equals_llama_cpp_order(text in "[abcx<> ]{0,30}", parse_special: bool) {
+            let t = tokenizer_with_specials();
+            let got: Vec<(bool, usize, usize)> = t
+                .partition(&text, parse_special)
+                .into_iter()
+                .map(|f| match f {
+                    Fragment::Text(s, e) => (false, s, e),
+                    Fragment::Token(id) => (true, id as usize, 0),
+                })
+                .collect();
+            proptest::prop_assert_eq!(got, partition_naive(&t, &text, parse_special));
+        }
+    }
 }

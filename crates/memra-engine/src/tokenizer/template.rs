@@ -23,8 +23,17 @@ pub enum TemplateError {
     Render(Error),
     #[error("chat template output exceeds {MAX_OUTPUT_BYTES} bytes")]
     TooLarge,
-    #[error("unknown built-in chat template {0:?} (known: chatml, llama3, gemma)")]
+    #[error("{0:?} is neither a built-in chat template (chatml, llama3, gemma) nor a file")]
     UnknownBuiltin(String),
+    #[error("the model has no chat template: choose one (chatml, llama3, gemma) or give a template file")]
+    NoTemplate,
+    #[error("cannot read chat template {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Metadata(#[from] memra_gguf::MetadataError),
 }
 
 /// Built-in templates for models that ship none, selectable by name.
@@ -81,6 +90,29 @@ impl ChatTemplate {
             .map(|(_, s)| *s)
             .ok_or_else(|| TemplateError::UnknownBuiltin(name.to_string()))?;
         ChatTemplate::new(source)
+    }
+
+    /// The template to use for a model: `choice` (a built-in name or a template file) when
+    /// given, else the model's own `tokenizer.chat_template`.
+    pub fn select(
+        metadata: &memra_gguf::Metadata,
+        choice: Option<&str>,
+    ) -> Result<ChatTemplate, TemplateError> {
+        match choice {
+            Some(name) if BUILTINS.iter().any(|(n, _)| *n == name) => ChatTemplate::builtin(name),
+            Some(path) if std::path::Path::new(path).is_file() => {
+                let source = std::fs::read_to_string(path).map_err(|source| TemplateError::Io {
+                    path: path.to_string(),
+                    source,
+                })?;
+                ChatTemplate::new(&source)
+            }
+            Some(other) => Err(TemplateError::UnknownBuiltin(other.to_string())),
+            None => match metadata.get_str("tokenizer.chat_template")? {
+                Some(source) => ChatTemplate::new(source),
+                None => Err(TemplateError::NoTemplate),
+            },
+        }
     }
 
     pub fn render(&self, input: &ChatInput) -> Result<String, TemplateError> {
