@@ -3,8 +3,8 @@
 
 use half::f16;
 use memra_gguf::quant::{
-    activation_type, dequantize, dequantize_to_vec, quantize_activations, vec_dot, vec_dot_f32,
-    QuantError,
+    activation_type, dequantize, dequantize_to_vec, quantize_activations, unpack_row, vec_dot,
+    vec_dot_f32, QuantError,
 };
 use memra_gguf::GgmlType;
 use proptest::prelude::*;
@@ -109,6 +109,24 @@ proptest! {
         let wmag = wf.iter().zip(&x[..n]).map(|(&a, &b)| f64::from(a * b).abs()).sum::<f64>();
         prop_assert!((f64::from(got) - full).abs() <= 0.02 * wmag + 1e-6,
             "{ty}: dot {got} vs f32 activations {full}");
+    }
+
+    #[test]
+    fn unpacked_levels_reproduce_dequantized_values(
+        bytes in proptest::collection::vec(any::<u8>(), 600),
+        scales in proptest::collection::vec(-0.05f32..0.05, 8),
+        which in 0..DOT_TYPES.len(),
+    ) {
+        let ty = DOT_TYPES[which];
+        let n = 256;
+        let w = random_blocks(ty, n / ty.block_size(), &bytes, &scales);
+        let want = dequantize_to_vec(ty, &w).unwrap();
+        let (mut levels, mut s16, mut m16) = (vec![0i8; n], vec![f32::NAN; n / 16], vec![f32::NAN; n / 16]);
+        unpack_row(ty, &w, &mut levels, &mut s16, &mut m16).unwrap();
+        for i in 0..n {
+            let v = s16[i / 16] * f32::from(levels[i]) - m16[i / 16];
+            prop_assert!((v - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3), "{ty} element {i}: {v} vs {}", want[i]);
+        }
     }
 
     #[test]

@@ -146,6 +146,18 @@ impl<const GROUPS: usize> Decoded<GROUPS> {
         }
     }
 
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        for (l, &v) in levels.iter_mut().zip(&self.levels) {
+            *l = v as i8;
+        }
+        let per = 16 / GROUPS; // 16-element slices per group
+        for j in 0..16 {
+            let g = j / per;
+            scale16[j] = self.d * self.scales[g] as f32;
+            min16[j] = self.dmin * self.mins[g] as f32;
+        }
+    }
+
     /// Dot product with a Q8_K block: integer sums per sub-block, scaled once.
     fn dot(&self, a: &BlockQ8K) -> f32 {
         let mut sum_scaled = 0i32;
@@ -415,6 +427,9 @@ macro_rules! weight_via_decode {
             fn dot(&self, a: &BlockQ8K) -> f32 {
                 self.decode().dot(a)
             }
+            fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+                self.decode().unpack(levels, scale16, min16)
+            }
         }
     )*};
 }
@@ -437,6 +452,11 @@ impl WeightBlock for BlockQ8K {
         for (o, &q) in out.iter_mut().zip(&self.qs) {
             *o = self.d * f32::from(q);
         }
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        levels.copy_from_slice(&self.qs);
+        scale16.fill(self.d);
+        min16.fill(0.0);
     }
     fn dot(&self, a: &BlockQ8K) -> f32 {
         let sumi: i32 = self

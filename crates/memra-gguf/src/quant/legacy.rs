@@ -123,6 +123,23 @@ fn fifth_bits(qh: [u8; 4], j: usize) -> (u8, u8) {
     )
 }
 
+/// Writes 32 levels with one scale `d` and offset `-m` for both 16-element halves.
+#[inline]
+fn unpack32(
+    w: [i32; QK],
+    d: f32,
+    m: f32,
+    levels: &mut [i8],
+    scale16: &mut [f32],
+    min16: &mut [f32],
+) {
+    for (l, v) in levels.iter_mut().zip(w) {
+        *l = v as i8;
+    }
+    scale16[..2].fill(d);
+    min16[..2].fill(-m);
+}
+
 /// Integer dot product of 32 weight levels with 32 activation quants.
 #[inline]
 fn dot_i32(w: &[i32; QK], a: &[i8; QK]) -> i32 {
@@ -147,6 +164,14 @@ impl WeightBlock for BlockQ4_0 {
         }
         dot_i32(&w, &a.qs) as f32 * self.d.to_f32() * a.d.to_f32()
     }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        let mut w = [0i32; QK];
+        for (j, lo, hi) in nibbles(&self.qs) {
+            w[j] = i32::from(lo) - 8;
+            w[j + 16] = i32::from(hi) - 8;
+        }
+        unpack32(w, self.d.to_f32(), 0.0, levels, scale16, min16);
+    }
 }
 
 impl WeightBlock for BlockQ4_1 {
@@ -167,6 +192,14 @@ impl WeightBlock for BlockQ4_1 {
         }
         let sumi = dot_i32(&w, &a.qs) as f32;
         self.d.to_f32() * a.d.to_f32() * sumi + self.m.to_f32() * a.s.to_f32()
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        let mut w = [0i32; QK];
+        for (j, lo, hi) in nibbles(&self.qs) {
+            w[j] = lo.into();
+            w[j + 16] = hi.into();
+        }
+        unpack32(w, self.d.to_f32(), self.m.to_f32(), levels, scale16, min16);
     }
 }
 
@@ -193,6 +226,9 @@ impl WeightBlock for BlockQ5_0 {
     }
     fn dot(&self, a: &BlockQ8_0) -> f32 {
         dot_i32(&self.levels(), &a.qs) as f32 * self.d.to_f32() * a.d.to_f32()
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        unpack32(self.levels(), self.d.to_f32(), 0.0, levels, scale16, min16);
     }
 }
 
@@ -221,6 +257,16 @@ impl WeightBlock for BlockQ5_1 {
         let sumi = dot_i32(&self.levels(), &a.qs) as f32;
         self.d.to_f32() * a.d.to_f32() * sumi + self.m.to_f32() * a.s.to_f32()
     }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        unpack32(
+            self.levels(),
+            self.d.to_f32(),
+            self.m.to_f32(),
+            levels,
+            scale16,
+            min16,
+        );
+    }
 }
 
 impl WeightBlock for BlockQ8_0 {
@@ -241,6 +287,13 @@ impl WeightBlock for BlockQ8_0 {
             .sum();
         sumi as f32 * self.d.to_f32() * a.d.to_f32()
     }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        for (l, &q) in levels.iter_mut().zip(&self.qs) {
+            *l = q;
+        }
+        scale16[..2].fill(self.d.to_f32());
+        min16[..2].fill(0.0);
+    }
 }
 
 impl WeightBlock for BlockQ8_1 {
@@ -260,6 +313,13 @@ impl WeightBlock for BlockQ8_1 {
             .map(|(&w, &x)| i32::from(w) * i32::from(x))
             .sum();
         sumi as f32 * self.d.to_f32() * a.d.to_f32()
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        for (l, &q) in levels.iter_mut().zip(&self.qs) {
+            *l = q;
+        }
+        scale16[..2].fill(self.d.to_f32());
+        min16[..2].fill(0.0);
     }
 }
 
@@ -326,6 +386,9 @@ impl WeightBlock for BlockIq4Nl {
     fn dot(&self, a: &BlockQ8_0) -> f32 {
         dot_i32(&self.levels(), &a.qs) as f32 * self.d.to_f32() * a.d.to_f32()
     }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        unpack32(self.levels(), self.d.to_f32(), 0.0, levels, scale16, min16);
+    }
 }
 
 impl BlockMxfp4 {
@@ -350,5 +413,15 @@ impl WeightBlock for BlockMxfp4 {
     }
     fn dot(&self, a: &BlockQ8_0) -> f32 {
         dot_i32(&self.levels(), &a.qs) as f32 * e8m0_to_f32_half(self.e) * a.d.to_f32()
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        unpack32(
+            self.levels(),
+            e8m0_to_f32_half(self.e),
+            0.0,
+            levels,
+            scale16,
+            min16,
+        );
     }
 }

@@ -25,6 +25,10 @@ pub trait WeightBlock: Pod {
     fn dequantize(&self, out: &mut [f32]);
     /// Dot product of this block with a block of quantized activations.
     fn dot(&self, a: &Self::Act) -> f32;
+    /// The block as int8 levels with an affine map per 16 elements:
+    /// `value[i] = scale16[i / 16] * levels[i] - min16[i / 16]`. Every format fits this
+    /// form, which lets one SIMD kernel multiply all of them (`memra-engine`'s CPU matmul).
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]);
 }
 
 /// A block format activations are quantized to before an integer dot product.
@@ -205,6 +209,31 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
         _ => return Err(QuantError::Unsupported(ty)),
     });
     Ok(())
+}
+
+/// Unpacks a row of `ty` into int8 levels and per-16 scales and mins (see
+/// [`WeightBlock::unpack`]). `levels` has one entry per element, the others one per 16.
+pub fn unpack_row(
+    ty: GgmlType,
+    src: &[u8],
+    levels: &mut [i8],
+    scale16: &mut [f32],
+    min16: &mut [f32],
+) -> Result<(), QuantError> {
+    check_lengths(ty, levels.len(), src.len())?;
+    with_block_type!(ty, B => {
+        let n = B::TYPE.block_size();
+        let g = n / 16;
+        let blocks = as_blocks::<B>(src);
+        for (i, b) in blocks.iter().enumerate() {
+            b.unpack(
+                &mut levels[i * n..(i + 1) * n],
+                &mut scale16[i * g..(i + 1) * g],
+                &mut min16[i * g..(i + 1) * g],
+            );
+        }
+        Ok(())
+    }, _ => Err(QuantError::Unsupported(ty)))
 }
 
 /// Decodes a whole buffer of `ty` into a new vector.
