@@ -1,5 +1,9 @@
-//! memra-engine: the model runtime. Today: tokenizers and chat templates (`tokenizer`),
-//! and model synthesis (`synth`); architectures, backends and the scheduler grow here.
+//! memra-engine: the model runtime: tokenizers and chat templates, model architectures,
+//! the CPU backend, sampling, generation and perplexity, and model synthesis for benchmarks.
 
+pub mod backend;
+pub mod generate;
+pub mod models;
+pub mod sampler;
 pub mod synth;
 pub mod tokenizer;

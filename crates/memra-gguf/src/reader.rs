@@ -121,6 +121,11 @@ impl GgufFile {
         })
     }
 
+    /// The whole file's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.storage
+    }
+
     /// The whole file's size in bytes.
     pub fn file_size(&self) -> u64 {
         self.storage.len() as u64

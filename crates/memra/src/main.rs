@@ -1,5 +1,6 @@
 //! The `memra` command: subcommands only; the work lives in the library crates.
 
+mod generate;
 mod inspect;
 mod synth;
 mod tokenize;
@@ -22,6 +23,46 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Complete a prompt (raw text, no chat template); the text goes to stdout as it comes.
+    Run {
+        #[command(flatten)]
+        model: generate::ModelArgs,
+        #[command(flatten)]
+        sampling: generate::SamplingArgs,
+        /// The prompt.
+        #[arg(short, long)]
+        prompt: String,
+        /// Tokens to generate.
+        #[arg(short = 'n', long, default_value_t = 128)]
+        n_predict: usize,
+    },
+    /// Chat interactively with the model's chat template; /exit quits.
+    Chat {
+        #[command(flatten)]
+        model: generate::ModelArgs,
+        #[command(flatten)]
+        sampling: generate::SamplingArgs,
+        /// A built-in template (chatml, llama3, gemma) or a template file.
+        #[arg(long)]
+        template: Option<String>,
+        /// A system message.
+        #[arg(long)]
+        system: Option<String>,
+        /// Tokens per reply at most.
+        #[arg(short = 'n', long, default_value_t = 1024)]
+        n_predict: usize,
+    },
+    /// Perplexity of a text file, by llama.cpp's method.
+    Perplexity {
+        #[command(flatten)]
+        model: generate::ModelArgs,
+        /// The text file.
+        #[arg(short, long)]
+        file: PathBuf,
+        /// Chunks to score at most (default: all).
+        #[arg(long)]
+        chunks: Option<usize>,
+    },
     /// Show what a GGUF file holds: architecture, hyperparameters, tokenizer, tensor types.
     Inspect {
         /// The GGUF file.
@@ -95,6 +136,30 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run {
+            model,
+            sampling,
+            prompt,
+            n_predict,
+        } => generate::run(&model, &sampling, &prompt, n_predict),
+        Command::Chat {
+            model,
+            sampling,
+            template,
+            system,
+            n_predict,
+        } => generate::chat(
+            &model,
+            &sampling,
+            template.as_deref(),
+            system.as_deref(),
+            n_predict,
+        ),
+        Command::Perplexity {
+            model,
+            file,
+            chunks,
+        } => generate::run_perplexity(&model, &file, chunks),
         Command::Inspect { model, all } => inspect::run(&model, all),
         Command::Synth {
             shape,

@@ -437,12 +437,115 @@ macro_rules! weight_via_decode {
 weight_via_decode! {
     BlockQ2K => GgmlType::Q2K,
     BlockQ3K => GgmlType::Q3K,
-    BlockQ4K => GgmlType::Q4K,
-    BlockQ5K => GgmlType::Q5K,
-    BlockQ6K => GgmlType::Q6K,
     BlockIq4Xs => GgmlType::Iq4Xs,
     BlockTq1_0 => GgmlType::Tq1_0,
     BlockTq2_0 => GgmlType::Tq2_0,
+}
+
+/// Per-16 scales and mins from eight 32-element sub-block scales and mins.
+#[inline]
+fn k4_affine(
+    d: f32,
+    dmin: f32,
+    packed: &[u8; K_SCALE_SIZE],
+    scale16: &mut [f32],
+    min16: &mut [f32],
+) {
+    let (scales, mins) = k4_scales_mins(packed);
+    for j in 0..8 {
+        scale16[2 * j..2 * j + 2].fill(d * scales[j] as f32);
+        min16[2 * j..2 * j + 2].fill(dmin * mins[j] as f32);
+    }
+}
+
+// The hot k-quants unpack straight to int8 (the `Decoded` path goes through i32).
+impl WeightBlock for BlockQ4K {
+    const TYPE: GgmlType = GgmlType::Q4K;
+    type Act = BlockQ8K;
+    fn dequantize(&self, out: &mut [f32]) {
+        self.decode().dequantize(out)
+    }
+    fn dot(&self, a: &BlockQ8K) -> f32 {
+        self.decode().dot(a)
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        for (q, y) in self.qs.chunks_exact(32).zip(levels.chunks_exact_mut(64)) {
+            for l in 0..32 {
+                y[l] = (q[l] & 0x0f) as i8;
+                y[l + 32] = (q[l] >> 4) as i8;
+            }
+        }
+        k4_affine(
+            self.d.to_f32(),
+            self.dmin.to_f32(),
+            &self.scales,
+            scale16,
+            min16,
+        );
+    }
+}
+
+impl WeightBlock for BlockQ5K {
+    const TYPE: GgmlType = GgmlType::Q5K;
+    type Act = BlockQ8K;
+    fn dequantize(&self, out: &mut [f32]) {
+        self.decode().dequantize(out)
+    }
+    fn dot(&self, a: &BlockQ8K) -> f32 {
+        self.decode().dot(a)
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        for (c, (q, y)) in self
+            .qs
+            .chunks_exact(32)
+            .zip(levels.chunks_exact_mut(64))
+            .enumerate()
+        {
+            let (lo_bit, hi_bit) = (2 * c, 2 * c + 1);
+            for l in 0..32 {
+                let h = self.qh[l];
+                y[l] = ((q[l] & 0x0f) | (((h >> lo_bit) & 1) << 4)) as i8;
+                y[l + 32] = ((q[l] >> 4) | (((h >> hi_bit) & 1) << 4)) as i8;
+            }
+        }
+        k4_affine(
+            self.d.to_f32(),
+            self.dmin.to_f32(),
+            &self.scales,
+            scale16,
+            min16,
+        );
+    }
+}
+
+impl WeightBlock for BlockQ6K {
+    const TYPE: GgmlType = GgmlType::Q6K;
+    type Act = BlockQ8K;
+    fn dequantize(&self, out: &mut [f32]) {
+        self.decode().dequantize(out)
+    }
+    fn dot(&self, a: &BlockQ8K) -> f32 {
+        self.decode().dot(a)
+    }
+    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+        for half in 0..2 {
+            let ql = &self.ql[half * 64..half * 64 + 64];
+            let qh = &self.qh[half * 32..half * 32 + 32];
+            let y = &mut levels[half * 128..half * 128 + 128];
+            for l in 0..32 {
+                let h = qh[l];
+                y[l] = ((ql[l] & 0x0f) | ((h & 3) << 4)) as i8 - 32;
+                y[l + 32] = ((ql[l + 32] & 0x0f) | (((h >> 2) & 3) << 4)) as i8 - 32;
+                y[l + 64] = ((ql[l] >> 4) | (((h >> 4) & 3) << 4)) as i8 - 32;
+                y[l + 96] = ((ql[l + 32] >> 4) | (((h >> 6) & 3) << 4)) as i8 - 32;
+            }
+        }
+        let d = self.d.to_f32();
+        for (s, &sc) in scale16.iter_mut().zip(&self.scales) {
+            *s = d * f32::from(sc);
+        }
+        min16.fill(0.0);
+    }
 }
 
 impl WeightBlock for BlockQ8K {

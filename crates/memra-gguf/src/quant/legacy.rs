@@ -123,6 +123,42 @@ fn fifth_bits(qh: [u8; 4], j: usize) -> (u8, u8) {
     )
 }
 
+/// Spreads the 8 bits of a byte to bit 4 of 8 bytes (0x10 or 0x00 each), so a Q5 block's
+/// fifth bits join their nibbles with byte operations the compiler vectorizes.
+const FIFTH_BITS: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut v = 0u64;
+        let mut i = 0;
+        while i < 8 {
+            if b & (1 << i) != 0 {
+                v |= 0x10 << (8 * i);
+            }
+            i += 1;
+        }
+        t[b] = v;
+        b += 1;
+    }
+    t
+};
+
+/// The 32 levels of a 4-bit block plus `offset`, with optional fifth bits.
+#[inline]
+fn nibble_levels(qs: &[u8; QK / 2], qh: Option<[u8; 4]>, offset: i8, levels: &mut [i8]) {
+    let mut high = [0u8; QK];
+    if let Some(qh) = qh {
+        for (i, &byte) in qh.iter().enumerate() {
+            high[i * 8..i * 8 + 8].copy_from_slice(&FIFTH_BITS[byte as usize].to_le_bytes());
+        }
+    }
+    let levels: &mut [i8; QK] = levels.try_into().expect("32 levels");
+    for j in 0..QK / 2 {
+        levels[j] = ((qs[j] & 0x0f) | high[j]) as i8 + offset;
+        levels[j + 16] = ((qs[j] >> 4) | high[j + 16]) as i8 + offset;
+    }
+}
+
 /// Writes 32 levels with one scale `d` and offset `-m` for both 16-element halves.
 #[inline]
 fn unpack32(
@@ -165,12 +201,9 @@ impl WeightBlock for BlockQ4_0 {
         dot_i32(&w, &a.qs) as f32 * self.d.to_f32() * a.d.to_f32()
     }
     fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-        let mut w = [0i32; QK];
-        for (j, lo, hi) in nibbles(&self.qs) {
-            w[j] = i32::from(lo) - 8;
-            w[j + 16] = i32::from(hi) - 8;
-        }
-        unpack32(w, self.d.to_f32(), 0.0, levels, scale16, min16);
+        nibble_levels(&self.qs, None, -8, levels);
+        scale16[..2].fill(self.d.to_f32());
+        min16[..2].fill(0.0);
     }
 }
 
@@ -194,12 +227,9 @@ impl WeightBlock for BlockQ4_1 {
         self.d.to_f32() * a.d.to_f32() * sumi + self.m.to_f32() * a.s.to_f32()
     }
     fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-        let mut w = [0i32; QK];
-        for (j, lo, hi) in nibbles(&self.qs) {
-            w[j] = lo.into();
-            w[j + 16] = hi.into();
-        }
-        unpack32(w, self.d.to_f32(), self.m.to_f32(), levels, scale16, min16);
+        nibble_levels(&self.qs, None, 0, levels);
+        scale16[..2].fill(self.d.to_f32());
+        min16[..2].fill(-self.m.to_f32());
     }
 }
 
@@ -228,7 +258,9 @@ impl WeightBlock for BlockQ5_0 {
         dot_i32(&self.levels(), &a.qs) as f32 * self.d.to_f32() * a.d.to_f32()
     }
     fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-        unpack32(self.levels(), self.d.to_f32(), 0.0, levels, scale16, min16);
+        nibble_levels(&self.qs, Some(self.qh), -16, levels);
+        scale16[..2].fill(self.d.to_f32());
+        min16[..2].fill(0.0);
     }
 }
 
@@ -258,14 +290,9 @@ impl WeightBlock for BlockQ5_1 {
         self.d.to_f32() * a.d.to_f32() * sumi + self.m.to_f32() * a.s.to_f32()
     }
     fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-        unpack32(
-            self.levels(),
-            self.d.to_f32(),
-            self.m.to_f32(),
-            levels,
-            scale16,
-            min16,
-        );
+        nibble_levels(&self.qs, Some(self.qh), 0, levels);
+        scale16[..2].fill(self.d.to_f32());
+        min16[..2].fill(-self.m.to_f32());
     }
 }
 

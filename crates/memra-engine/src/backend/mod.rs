@@ -1,0 +1,3 @@
+//! Compute backends. The CPU backend is the reference every other backend is checked against.
+
+pub mod cpu;

@@ -1,0 +1,274 @@
+//! Text generation and perplexity on a loaded model: the loops `memra run`, `memra chat`
+//! and `memra perplexity` drive.
+
+use std::time::{Duration, Instant};
+
+use crate::models::{KvCache, LogitRows, Model, ModelError};
+use crate::sampler::{Sampler, SamplerConfig, SamplerError};
+use crate::tokenizer::IncrementalDecoder;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Sampler(#[from] SamplerError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens; the context holds {n_ctx}")]
+    PromptTooLong { prompt: usize, n_ctx: usize },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateConfig {
+    /// Tokens to generate at most.
+    pub n_predict: usize,
+    /// Generation stops before any of these strings; they are not printed.
+    pub stop: Vec<String>,
+    pub sampler: SamplerConfig,
+    /// Prompt tokens per forward pass.
+    pub batch: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Length,
+    EndOfGeneration,
+    StopString,
+    ContextFull,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateStats {
+    pub prompt_tokens: usize,
+    pub prompt_time: Duration,
+    pub generated: Vec<u32>,
+    pub generate_time: Duration,
+    pub stop: StopReason,
+}
+
+/// Holds back text that may be the start of a stop string.
+struct StopFilter<'a> {
+    stops: &'a [String],
+    held: String,
+}
+
+impl StopFilter<'_> {
+    /// Adds text; returns what can be shown and whether a stop string was reached.
+    fn push(&mut self, text: &str) -> (String, bool) {
+        self.held.push_str(text);
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Keep the longest suffix that is a prefix of a stop string.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| {
+                (1..s.len().min(self.held.len() + 1))
+                    .rev()
+                    .map(move |n| (s, n))
+            })
+            .filter(|(s, n)| s.is_char_boundary(*n) && self.held.ends_with(&s[..*n]))
+            .map(|(_, n)| n)
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+}
+
+/// Feeds `prompt` (after what `cache` holds) and samples up to `n_predict` tokens, giving
+/// each piece of text to `on_text` as soon as it is complete.
+pub fn generate(
+    model: &Model,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    config: &GenerateConfig,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenerateStats, GenerateError> {
+    if prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    if cache.len() + prompt.len() > cache.n_ctx() {
+        return Err(GenerateError::PromptTooLong {
+            prompt: cache.len() + prompt.len(),
+            n_ctx: cache.n_ctx(),
+        });
+    }
+    let mut sampler = Sampler::new(config.sampler.clone())?;
+    prompt.iter().for_each(|&t| sampler.accept(t));
+    let start = Instant::now();
+    let mut logits = Vec::new();
+    let batch = config.batch.max(1);
+    for (i, chunk) in prompt.chunks(batch).enumerate() {
+        let last = (i + 1) * batch >= prompt.len();
+        let rows = LogitRows::Last;
+        let l = model.decoder.forward(cache, chunk, rows)?;
+        if last {
+            logits = l;
+        }
+    }
+    let prompt_time = start.elapsed();
+    let start = Instant::now();
+    let t = &model.tokenizer;
+    let mut decoder = IncrementalDecoder::new(t, false);
+    let mut filter = StopFilter {
+        stops: &config.stop,
+        held: String::new(),
+    };
+    let mut generated = Vec::new();
+    let mut stop = StopReason::Length;
+    while generated.len() < config.n_predict {
+        let id = sampler.sample(&logits);
+        if t.is_end_of_generation(id) {
+            stop = StopReason::EndOfGeneration;
+            break;
+        }
+        sampler.accept(id);
+        generated.push(id);
+        let (text, hit) = filter.push(&decoder.push(id)?);
+        on_text(&text);
+        if hit {
+            stop = StopReason::StopString;
+            break;
+        }
+        if generated.len() == config.n_predict {
+            break;
+        }
+        if cache.len() >= cache.n_ctx() {
+            stop = StopReason::ContextFull;
+            break;
+        }
+        logits = model.decoder.forward(cache, &[id], LogitRows::Last)?;
+    }
+    if stop != StopReason::StopString {
+        let (text, _) = filter.push(&decoder.finish());
+        on_text(&text);
+        on_text(&filter.held);
+    }
+    Ok(GenerateStats {
+        prompt_tokens: prompt.len(),
+        prompt_time,
+        generated,
+        generate_time: start.elapsed(),
+        stop,
+    })
+}
+
+/// Result of a perplexity run.
+#[derive(Clone, Debug)]
+pub struct Perplexity {
+    pub ppl: f64,
+    /// llama.cpp's estimate of the standard error.
+    pub stderr: f64,
+    pub chunks: usize,
+    pub scored_tokens: usize,
+}
+
+/// llama.cpp's perplexity: tokenize the text whole (BOS first when the model uses one),
+/// cut it into chunks of `n_ctx` tokens, put BOS first in each chunk when the model uses
+/// one, and score every token of the second half of each chunk from all tokens before it.
+/// `progress(chunk, running_ppl)` is called after each chunk.
+pub fn perplexity(
+    model: &Model,
+    text: &str,
+    n_ctx: usize,
+    max_chunks: Option<usize>,
+    mut progress: impl FnMut(usize, usize, f64),
+) -> Result<Perplexity, GenerateError> {
+    if n_ctx < 8 {
+        return Err(GenerateError::Invalid(
+            "the context must hold at least 8 tokens".into(),
+        ));
+    }
+    let t = &model.tokenizer;
+    let tokens = t.encode(text, true, false)?;
+    let available = tokens.len() / n_ctx;
+    let n_chunks = max_chunks.map_or(available, |c| c.min(available));
+    if n_chunks == 0 {
+        return Err(GenerateError::Invalid(format!(
+            "the text has {} tokens, fewer than one chunk of {n_ctx}",
+            tokens.len()
+        )));
+    }
+    let first = n_ctx / 2;
+    let n_vocab = t.n_vocab();
+    let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
+    for c in 0..n_chunks {
+        let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
+        if t.add_bos {
+            chunk[0] = t.bos.expect("checked at load");
+        }
+        let mut cache = model.decoder.new_cache(n_ctx);
+        let logits = model
+            .decoder
+            .forward(&mut cache, &chunk, LogitRows::From(first))?;
+        for j in first..n_ctx - 1 {
+            let row = &logits[(j - first) * n_vocab..(j - first + 1) * n_vocab];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let lse = f64::from(max)
+                + row
+                    .iter()
+                    .map(|&v| f64::from(v - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            let v = lse - f64::from(row[chunk[j + 1] as usize]);
+            nll += v;
+            nll2 += v * v;
+            count += 1;
+        }
+        progress(c + 1, n_chunks, (nll / count as f64).exp());
+    }
+    let mean = nll / count as f64;
+    let ppl = mean.exp();
+    let var = nll2 / count as f64 - mean * mean;
+    let stderr = if var > 0.0 && count > 1 {
+        (var / (count - 1) as f64).sqrt() * ppl
+    } else {
+        0.0
+    };
+    Ok(Perplexity {
+        ppl,
+        stderr,
+        chunks: n_chunks,
+        scored_tokens: count,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_filter_holds_back_possible_stop_prefixes() {
+        let stops = vec!["</s>".to_string(), "\n\n".to_string()];
+        let mut f = StopFilter {
+            stops: &stops,
+            held: String::new(),
+        };
+        assert_eq!(f.push("Hello <"), ("Hello ".to_string(), false));
+        assert_eq!(f.push("/"), (String::new(), false));
+        assert_eq!(f.push("x>"), ("</x>".to_string(), false));
+        assert_eq!(f.push("a\n"), ("a".to_string(), false));
+        assert_eq!(f.push("\nmore"), (String::new(), true));
+        let mut f = StopFilter {
+            stops: &stops,
+            held: String::new(),
+        };
+        assert_eq!(f.push("ab</s>cd"), ("ab".to_string(), true));
+    }
+}

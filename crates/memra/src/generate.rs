@@ -1,0 +1,297 @@
+//! `memra run`, `memra chat` and `memra perplexity`: generation and scoring on a model.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use memra_engine::generate::{generate, perplexity, GenerateConfig, GenerateStats};
+use memra_engine::models::Model;
+use memra_engine::sampler::SamplerConfig;
+use memra_engine::tokenizer::template::{ChatInput, ChatTemplate};
+use memra_gguf::GgufFile;
+
+use crate::inspect::human_bytes;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Options every model command takes.
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// The GGUF model file.
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// Where to run.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// CPU threads (default: all cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+    /// Context size in tokens (default: 4096, or the model's training context if smaller).
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx: Option<usize>,
+}
+
+/// Sampling options of `run` and `chat`.
+#[derive(Args, Debug)]
+pub struct SamplingArgs {
+    /// Temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temp: f32,
+    /// Seed of the sampler (default: random).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    fn config(&self) -> SamplerConfig {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed,
+            ..SamplerConfig::default()
+        }
+    }
+}
+
+const DEFAULT_CTX: usize = 4096;
+const PROMPT_BATCH: usize = 512;
+
+/// Loads a model on the chosen device with a progress bar, reading the whole file once so
+/// the first tokens do not wait on page faults.
+fn load(args: &ModelArgs) -> Result<(Model, usize)> {
+    if args.device == Device::Cuda {
+        bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
+    }
+    if let Some(t) = args.threads {
+        if t == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .context("cannot set the thread count")?;
+    }
+    let start = Instant::now();
+    let file = Arc::new(GgufFile::open(&args.model)?);
+    let bar = ProgressBar::new(file.file_size()).with_style(
+        ProgressStyle::with_template("loading [{bar:40}] {bytes}/{total_bytes}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    const PAGE: usize = 4096;
+    let mut touched = 0u8;
+    for (i, chunk) in file.bytes().chunks(64 << 20).enumerate() {
+        touched ^= chunk.iter().step_by(PAGE).fold(0, |a, &b| a ^ b);
+        bar.set_position(((i + 1) * (64 << 20)).min(file.bytes().len()) as u64);
+    }
+    std::hint::black_box(touched);
+    bar.finish_and_clear();
+    let model =
+        Model::from_file(file).with_context(|| format!("cannot load {}", args.model.display()))?;
+    let n_ctx = args
+        .ctx
+        .unwrap_or_else(|| DEFAULT_CTX.min(model.decoder.hp.n_ctx_train.max(1)));
+    if n_ctx == 0 {
+        bail!("the context size must be at least 1");
+    }
+    eprintln!(
+        "model: {} ({}, {:.2} B parameters, {}) loaded in {:.2} s; context {n_ctx}, {} threads",
+        model.name,
+        model.arch,
+        model.n_params as f64 / 1e9,
+        human_bytes(model.file.file_size()),
+        start.elapsed().as_secs_f64(),
+        rayon::current_num_threads()
+    );
+    Ok((model, n_ctx))
+}
+
+fn report(stats: &GenerateStats) {
+    let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
+    eprintln!(
+        "\nprompt: {} tokens in {:.2} s ({:.1} t/s); generated: {} tokens in {:.2} s ({:.1} t/s); stop: {:?}",
+        stats.prompt_tokens,
+        stats.prompt_time.as_secs_f64(),
+        rate(stats.prompt_tokens, stats.prompt_time),
+        stats.generated.len(),
+        stats.generate_time.as_secs_f64(),
+        rate(stats.generated.len(), stats.generate_time),
+        stats.stop
+    );
+}
+
+fn print_flush(text: &str) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout (a pipe to `head`) ends the output, not the program with a panic.
+    let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+}
+
+pub fn run(
+    args: &ModelArgs,
+    sampling: &SamplingArgs,
+    prompt: &str,
+    n_predict: usize,
+) -> Result<()> {
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    if n_predict == 0 {
+        bail!("-n must be at least 1");
+    }
+    let (model, n_ctx) = load(args)?;
+    let ids = model.tokenizer.encode(prompt, true, true)?;
+    if ids.len() >= n_ctx {
+        bail!(
+            "the prompt has {} tokens; the context holds {n_ctx} (raise -c)",
+            ids.len()
+        );
+    }
+    let mut cache = model.decoder.new_cache(n_ctx);
+    let config = GenerateConfig {
+        n_predict,
+        stop: sampling.stop.clone(),
+        sampler: sampling.config(),
+        batch: PROMPT_BATCH,
+    };
+    let stats = generate(&model, &mut cache, &ids, &config, print_flush)?;
+    print_flush("\n");
+    report(&stats);
+    Ok(())
+}
+
+pub fn chat(
+    args: &ModelArgs,
+    sampling: &SamplingArgs,
+    template: Option<&str>,
+    system: Option<&str>,
+    n_predict: usize,
+) -> Result<()> {
+    let (model, n_ctx) = load(args)?;
+    let template = ChatTemplate::select(&model.file.metadata, template)?;
+    let t = &model.tokenizer;
+    let token = |id: Option<u32>| id.and_then(|i| t.token_text(i)).unwrap_or("").to_string();
+    let (bos, eos) = (token(t.bos), token(t.eos));
+    let mut messages: Vec<serde_json::Value> = Vec::new();
+    if let Some(s) = system {
+        messages.push(serde_json::json!({"role": "system", "content": s}));
+    }
+    let mut cache = model.decoder.new_cache(n_ctx);
+    // The prompt text already in the cache, to feed only what each turn adds.
+    let mut fed = String::new();
+    let stdin = std::io::stdin();
+    eprintln!("chat with {} (type /exit to quit)", model.name);
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.trim() == "/exit" {
+            break;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        messages.push(serde_json::json!({"role": "user", "content": line}));
+        let prompt = template.render(&ChatInput {
+            messages: &serde_json::Value::Array(messages.clone()),
+            tools: None,
+            add_generation_prompt: true,
+            bos_token: &bos,
+            eos_token: &eos,
+        })?;
+        // Feed only the new part when the rendering extends what the cache holds;
+        // otherwise start over.
+        let new_text = match prompt.strip_prefix(fed.as_str()) {
+            Some(rest) if !fed.is_empty() => rest.to_string(),
+            _ => {
+                cache.truncate(0);
+                prompt.clone()
+            }
+        };
+        let ids = t.encode(&new_text, fed.is_empty(), true)?;
+        if cache.len() + ids.len() + 1 >= n_ctx {
+            eprintln!("error: the conversation no longer fits the {n_ctx}-token context; start a new chat");
+            messages.pop();
+            continue;
+        }
+        let config = GenerateConfig {
+            n_predict,
+            stop: sampling.stop.clone(),
+            sampler: sampling.config(),
+            batch: PROMPT_BATCH,
+        };
+        let mut reply = String::new();
+        let stats = generate(&model, &mut cache, &ids, &config, |s| {
+            reply.push_str(s);
+            print_flush(s);
+        })?;
+        print_flush("\n");
+        report(&stats);
+        // The reply's tokens are in the cache, the end-of-turn marker is not: re-render next
+        // time from the history, keeping the cache only if the rendering extends it.
+        fed = prompt + &reply;
+        messages.push(serde_json::json!({"role": "assistant", "content": reply}));
+    }
+    Ok(())
+}
+
+pub fn run_perplexity(args: &ModelArgs, file: &Path, chunks: Option<usize>) -> Result<()> {
+    let text = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let mut text = String::from_utf8(text)
+        .with_context(|| format!("{} is not valid UTF-8", file.display()))?;
+    // llama.cpp drops one trailing newline.
+    if text.ends_with('\n') {
+        text.pop();
+    }
+    let n_ctx = args.ctx.unwrap_or(512);
+    let (model, _) = load(args)?;
+    let start = Instant::now();
+    let result = perplexity(&model, &text, n_ctx, chunks, |c, n, ppl| {
+        eprintln!(
+            "[{c}/{n}] {ppl:.4} ({:.1} s, {:.1} t/s)",
+            start.elapsed().as_secs_f64(),
+            (c * n_ctx) as f64 / start.elapsed().as_secs_f64()
+        );
+    })?;
+    println!(
+        "Final estimate: PPL = {:.4} +/- {:.5}",
+        result.ppl, result.stderr
+    );
+    Ok(())
+}
