@@ -236,3 +236,47 @@ fn qwen_0_5b_log_probs_near_llama_cpp() {
         "qwen2.5-coder-0.5b-instruct-q4_k_m",
     );
 }
+
+fn check_perplexity(file: &str, tolerance: f64, filter: impl Fn(&str) -> bool) {
+    let text = std::fs::read_to_string(shared_dir().join("golden/texts/GPL-3")).unwrap();
+    let text = text.strip_suffix('\n').unwrap_or(&text);
+    let mut n = 0;
+    let mut report = Vec::new();
+    for case in golden(file) {
+        let name = case["model"].as_str().unwrap();
+        if !filter(name) {
+            continue;
+        }
+        let model = Model::load(&model_path(name)).unwrap();
+        let ctx = case["ctx"].as_u64().unwrap() as usize;
+        let chunks = case["chunks"].as_u64().unwrap() as usize;
+        let got = memra_engine::generate::perplexity(&model, text, ctx, Some(chunks), |_, _, _| {})
+            .unwrap();
+        let want = case["ppl"].as_f64().unwrap();
+        let rel = (got.ppl - want).abs() / want;
+        report.push(format!(
+            "{name}: {:.4} vs llama.cpp {want} ({:+.3}%)",
+            got.ppl,
+            100.0 * (got.ppl - want) / want
+        ));
+        assert_eq!(got.chunks, chunks, "{name}");
+        assert!(
+            rel <= tolerance,
+            "{name}: perplexity {:.4}, llama.cpp {want}",
+            got.ppl
+        );
+        n += 1;
+    }
+    eprintln!("{}", report.join("\n"));
+    assert!(n > 0);
+}
+
+#[test]
+fn tiny_models_perplexity_within_2_percent() {
+    check_perplexity("tiny/perplexity.json", 0.02, |_| true);
+}
+
+#[test]
+fn real_models_perplexity_within_half_a_percent() {
+    check_perplexity("perplexity.json", 0.005, |_| true);
+}

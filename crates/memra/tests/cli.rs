@@ -458,3 +458,151 @@ fn template_renders_conversations_and_refuses_bad_ones() {
     assert_eq!(out.status.code(), Some(1));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A copy of a tiny model with one metadata key changed.
+fn tiny_with(dir: &Path, key: &str, value: memra_gguf::Value) -> std::path::PathBuf {
+    let f = memra_gguf::GgufFile::open(tiny_model("tiny-llama.gguf")).unwrap();
+    let mut b = memra_gguf::GgufBuilder::new();
+    b.metadata = f.metadata.clone();
+    b.metadata.set(key, value);
+    b.tensors = f
+        .tensors
+        .iter()
+        .map(|t| memra_gguf::TensorSpec::new(t.name.clone(), t.ty, &t.dims))
+        .collect();
+    let data: Vec<&[u8]> = f.tensors.iter().map(|t| f.tensor_data(t)).collect();
+    let path = dir.join(format!("tiny-{}.gguf", key.replace('.', "-")));
+    std::fs::write(&path, b.to_bytes(&data).unwrap()).unwrap();
+    path
+}
+
+#[test]
+fn run_streams_the_completion_to_stdout() {
+    let case = golden("tiny/greedy.json")
+        .into_iter()
+        .find(|c| c["model"] == "tiny-qwen3moe")
+        .unwrap();
+    let model = tiny_model("tiny-qwen3moe.gguf");
+    let n = case["n_predict"].to_string();
+    let out = memra(&[
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        case["prompt"].as_str().unwrap(),
+        "-n",
+        &n,
+        "--temp",
+        "0",
+        "-t",
+        "1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{}\n", case["completion"].as_str().unwrap())
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("tiny-qwen3moe") && err.contains("t/s"),
+        "{err}"
+    );
+
+    // Same seed, same text; sampling at temperature 1.
+    let m = model.to_str().unwrap();
+    let sample = |seed: &str| {
+        memra(&[
+            "run", "-m", m, "-p", "Hello", "-n", "16", "--temp", "1", "--seed", seed,
+        ])
+        .stdout
+    };
+    assert_eq!(sample("5"), sample("5"));
+}
+
+#[test]
+fn run_refuses_bad_requests_clearly() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = tiny_model("tiny-llama.gguf");
+    let m = model.to_str().unwrap();
+    let long = "word ".repeat(100);
+    let mamba = tiny_with(
+        &dir,
+        "general.architecture",
+        memra_gguf::Value::String("mamba9".into()),
+    );
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["run", "-m", m, "-p", &long, "-c", "32"],
+            "the context holds 32",
+        ),
+        (vec!["run", "-m", m, "-p", ""], "prompt is empty"),
+        (
+            vec!["run", "-m", m, "-p", "hi", "-n", "0"],
+            "-n must be at least 1",
+        ),
+        (
+            vec!["run", "-m", mamba.to_str().unwrap(), "-p", "hi"],
+            "unsupported architecture \"mamba9\"",
+        ),
+        (
+            vec!["run", "-m", m, "-p", "hi", "--device", "cuda"],
+            "no CUDA backend",
+        ),
+        (vec!["run", "-m", m, "-p", "hi", "--top-p", "2"], "top-p"),
+        (
+            vec!["perplexity", "-m", m, "-f", "/nonexistent/text"],
+            "cannot read",
+        ),
+    ];
+    for (args, msg) in cases {
+        let out = memra(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(msg), "{args:?}: {err}");
+        assert!(out.stdout.is_empty() || out.stdout == b"\n", "{args:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn perplexity_prints_llama_cpp_final_line() {
+    let out = memra(&[
+        "perplexity",
+        "-m",
+        tiny_model("tiny-qwen2.gguf").to_str().unwrap(),
+        "-f",
+        memra_gguf::test_files::shared_dir()
+            .join("golden/texts/GPL-3")
+            .to_str()
+            .unwrap(),
+        "-c",
+        "256",
+        "--chunks",
+        "4",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout(&out);
+    let ppl: f64 = line
+        .strip_prefix("Final estimate: PPL = ")
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((ppl - 497.5223).abs() / 497.5223 < 0.02, "{line}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).matches("] ").count(),
+        4,
+        "a progress line per chunk"
+    );
+}
