@@ -92,7 +92,7 @@ const PROMPT_BATCH: usize = 512;
 
 /// Loads a model on the chosen device with a progress bar, reading the whole file once so
 /// the first tokens do not wait on page faults.
-fn load(args: &ModelArgs) -> Result<(Model, usize)> {
+pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
     if args.device == Device::Cuda {
         bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
     }

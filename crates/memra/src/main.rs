@@ -1,5 +1,6 @@
 //! The `memra` command: subcommands only; the work lives in the library crates.
 
+mod bench;
 mod generate;
 mod inspect;
 mod synth;
@@ -62,6 +63,41 @@ enum Command {
         /// Chunks to score at most (default: all).
         #[arg(long)]
         chunks: Option<usize>,
+    },
+    /// Measure prompt processing and generation speed (llama-bench's method and table).
+    Bench {
+        #[command(flatten)]
+        model: generate::ModelArgs,
+        /// Prompt lengths to test (comma-separated).
+        #[arg(
+            short = 'p',
+            long = "n-prompt",
+            value_delimiter = ',',
+            default_value = "512"
+        )]
+        prompt: Vec<usize>,
+        /// Generation lengths to test (comma-separated).
+        #[arg(
+            short = 'n',
+            long = "n-gen",
+            value_delimiter = ',',
+            default_value = "128"
+        )]
+        generate: Vec<usize>,
+        /// Context depths to test at (comma-separated).
+        #[arg(
+            short = 'd',
+            long = "n-depth",
+            value_delimiter = ',',
+            default_value = "0"
+        )]
+        depth: Vec<usize>,
+        /// Repetitions of each test.
+        #[arg(short = 'r', long, default_value_t = 5)]
+        repetitions: usize,
+        /// Output format.
+        #[arg(short = 'o', long, value_enum, default_value_t = bench::Format::Md)]
+        output: bench::Format,
     },
     /// Show what a GGUF file holds: architecture, hyperparameters, tokenizer, tensor types.
     Inspect {
@@ -154,6 +190,23 @@ fn main() -> ExitCode {
             template.as_deref(),
             system.as_deref(),
             n_predict,
+        ),
+        Command::Bench {
+            model,
+            prompt,
+            generate,
+            depth,
+            repetitions,
+            output,
+        } => bench::run(
+            &model,
+            &bench::BenchArgs {
+                prompt,
+                generate,
+                depth,
+                repetitions,
+                format: output,
+            },
         ),
         Command::Perplexity {
             model,

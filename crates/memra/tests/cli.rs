@@ -606,3 +606,44 @@ fn perplexity_prints_llama_cpp_final_line() {
         "a progress line per chunk"
     );
 }
+
+#[test]
+fn chat_answers_turns_until_exit() {
+    use std::io::Write as _;
+    let model = tiny_model("tiny-qwen2.gguf");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memra"))
+        .args([
+            "chat",
+            "-m",
+            model.to_str().unwrap(),
+            "--template",
+            "chatml",
+            "--temp",
+            "0",
+            "-n",
+            "6",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello\nAnd again\n/exit\nnot read\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("generated:").count(), 2, "two replies: {err}");
+    // Without a template the model's own is needed; tiny-qwen2 has none.
+    let out = memra(&["chat", "-m", model.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no chat template"));
+}

@@ -1,0 +1,129 @@
+//! `memra bench`: prompt processing and generation speed, by llama-bench's method: a
+//! warm-up run, then `-r` timed repetitions of each test on a fresh context (after `-d`
+//! tokens of depth), reported as mean ± standard deviation of tokens per second.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::ValueEnum;
+use memra_engine::models::LogitRows;
+
+use crate::generate::{load, ModelArgs};
+use crate::inspect::human_bytes;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    Md,
+    Json,
+}
+
+pub struct BenchArgs {
+    pub prompt: Vec<usize>,
+    pub generate: Vec<usize>,
+    pub depth: Vec<usize>,
+    pub repetitions: usize,
+    pub format: Format,
+}
+
+/// Token ids spread over the vocabulary (llama-bench uses random tokens too).
+fn tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % n_vocab as u64) as u32
+        })
+        .collect()
+}
+
+struct Row {
+    test: String,
+    mean: f64,
+    std: f64,
+    samples: Vec<f64>,
+}
+
+pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
+    if a.repetitions == 0 {
+        bail!("-r must be at least 1");
+    }
+    let (model, _) = load(model_args)?;
+    let n_vocab = model.tokenizer.n_vocab();
+    let mut rows = Vec::new();
+    for &d in &a.depth {
+        for (kind, sizes) in [("pp", &a.prompt), ("tg", &a.generate)] {
+            for &n in sizes.iter().filter(|&&n| n > 0) {
+                let n_ctx = d + n + 1;
+                let depth_tokens = tokens(d, n_vocab, 1);
+                let test_tokens = tokens(n, n_vocab, 2);
+                let once = || -> Result<f64> {
+                    let mut cache = model.decoder.new_cache(n_ctx);
+                    for chunk in depth_tokens.chunks(512) {
+                        model.decoder.forward(&mut cache, chunk, LogitRows::Last)?;
+                    }
+                    let start = Instant::now();
+                    if kind == "pp" {
+                        model
+                            .decoder
+                            .forward(&mut cache, &test_tokens, LogitRows::Last)?;
+                    } else {
+                        for &t in &test_tokens {
+                            model.decoder.forward(&mut cache, &[t], LogitRows::Last)?;
+                        }
+                    }
+                    Ok(n as f64 / start.elapsed().as_secs_f64())
+                };
+                once()?; // warm-up
+                let samples = (0..a.repetitions)
+                    .map(|_| once())
+                    .collect::<Result<Vec<_>>>()?;
+                let mean = samples.iter().sum::<f64>() / samples.len() as f64;
+                let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>()
+                    / (samples.len().max(2) - 1) as f64;
+                let test = if d > 0 {
+                    format!("{kind}{n} @ d{d}")
+                } else {
+                    format!("{kind}{n}")
+                };
+                eprintln!("{test}: {mean:.2} t/s");
+                rows.push(Row {
+                    test,
+                    mean,
+                    std: var.sqrt(),
+                    samples,
+                });
+            }
+        }
+    }
+    let size = human_bytes(model.file.file_size());
+    let params = format!("{:.2} B", model.n_params as f64 / 1e9);
+    let threads = rayon::current_num_threads();
+    match a.format {
+        Format::Md => {
+            println!("| model | size | params | backend | threads | test | t/s |");
+            println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
+            for r in &rows {
+                println!(
+                    "| {} | {size} | {params} | CPU | {threads} | {} | {:.2} ± {:.2} |",
+                    model.name, r.test, r.mean, r.std
+                );
+            }
+        }
+        Format::Json => {
+            let list: Vec<serde_json::Value> = rows
+                .iter()
+                .map(|r| {
+                    serde_json::json!({
+                        "model": model.name, "file_size": model.file.file_size(),
+                        "n_params": model.n_params, "backend": "CPU", "threads": threads,
+                        "test": r.test, "avg_ts": r.mean, "stddev_ts": r.std, "samples_ts": r.samples,
+                    })
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&list)?);
+        }
+    }
+    Ok(())
+}
