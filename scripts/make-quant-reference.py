@@ -24,6 +24,8 @@ F16_FIELDS = {
     T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
     T.IQ4_NL: [0], T.IQ4_XS: [0], T.TQ1_0: [52], T.TQ2_0: [64], T.MXFP4: [],
+    T.IQ2_XXS: [0], T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0],
+    T.IQ1_M: [],
 }
 
 
@@ -77,6 +79,13 @@ def synthetic_cases(rng):
         for off in F16_FIELDS.get(qt, []):
             scale = (rng.uniform(0.001, 0.1, n_blocks) * rng.choice([-1, 1], n_blocks)).astype(np.float16)
             raw[:, off:off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        if qt == T.IQ1_M:
+            # The f16 scale is spread over the top nibbles of the four u16 scale words.
+            for b in range(n_blocks):
+                d = int(np.float16(rng.uniform(0.001, 0.1)).view(np.uint16))
+                for k in range(4):
+                    at = 48 + 2 * k + 1
+                    raw[b, at] = (raw[b, at] & 0x0F) | (((d >> (4 * k)) & 0xF) << 4)
         if qt == T.F16:
             raw = rng.normal(0, 2, n_blocks * size // 2).astype(np.float16).view(np.uint8).reshape(n_blocks, size)
         if qt == T.BF16:

@@ -14,7 +14,7 @@ use proptest::prelude::*;
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     use GgmlType::*;
     match ty {
-        Q4_0 | Q5_0 | Q8_0 | Iq4Nl | Iq4Xs => &[0],
+        Q4_0 | Q5_0 | Q8_0 | Iq4Nl | Iq4Xs | Iq2Xxs | Iq2Xs | Iq2S | Iq3Xxs | Iq3S | Iq1S => &[0],
         Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
         Q2K => &[80, 82],
         Q3K => &[108],
@@ -25,7 +25,13 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     }
 }
 
-const DOT_TYPES: [GgmlType; 16] = [
+const DOT_TYPES: [GgmlType; 22] = [
+    GgmlType::Iq2Xxs,
+    GgmlType::Iq2Xs,
+    GgmlType::Iq2S,
+    GgmlType::Iq3Xxs,
+    GgmlType::Iq3S,
+    GgmlType::Iq1S,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -264,8 +270,12 @@ fn bad_lengths_and_types_are_errors() {
         Err(QuantError::NotBlockMultiple { .. })
     ));
     assert!(matches!(
-        dequantize(GgmlType::Iq2Xxs, &[0u8; 66], &mut vec![0f32; 256]),
-        Err(QuantError::Unsupported(GgmlType::Iq2Xxs))
+        dequantize(GgmlType::I32, &[0u8; 16], &mut vec![0f32; 3]),
+        Err(QuantError::ByteLength { .. })
+    ));
+    assert!(matches!(
+        vec_dot(GgmlType::F16, 2, &[0u8; 4], &[0u8; 4]),
+        Err(QuantError::Unsupported(GgmlType::F16))
     ));
     assert!(vec_dot(GgmlType::Q4_0, 32, &[0u8; 18], &[0u8; 33]).is_err());
     assert!(quantize_activations(GgmlType::Q4_0, &[0.0; 32], &mut Vec::new()).is_err());

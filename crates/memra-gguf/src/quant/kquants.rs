@@ -120,7 +120,7 @@ const _: () = {
 
 /// A weight super-block decoded to integer levels: `value[i] = scale[i / group] *
 /// level[i] - min[i / group]`, with `group` = 256 / number of scales.
-struct Decoded<const GROUPS: usize> {
+pub(crate) struct Decoded<const GROUPS: usize> {
     levels: [i32; QK_K],
     /// Integer sub-block scales, multiplied by `d`.
     scales: [i32; GROUPS],
@@ -133,7 +133,18 @@ struct Decoded<const GROUPS: usize> {
 impl<const GROUPS: usize> Decoded<GROUPS> {
     const GROUP: usize = QK_K / GROUPS;
 
-    fn dequantize(&self, out: &mut [f32]) {
+    /// A block without minimums: `value = d * scales[g] * level`.
+    pub(crate) fn new(levels: [i32; QK_K], scales: [i32; GROUPS], d: f32) -> Self {
+        Decoded {
+            levels,
+            scales,
+            mins: [0; GROUPS],
+            d,
+            dmin: 0.0,
+        }
+    }
+
+    pub(crate) fn dequantize(&self, out: &mut [f32]) {
         for (g, chunk) in out.chunks_exact_mut(Self::GROUP).enumerate() {
             let s = self.d * self.scales[g] as f32;
             let m = self.dmin * self.mins[g] as f32;
@@ -146,7 +157,7 @@ impl<const GROUPS: usize> Decoded<GROUPS> {
         }
     }
 
-    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+    pub(crate) fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
         for (l, &v) in levels.iter_mut().zip(&self.levels) {
             *l = v as i8;
         }
@@ -159,7 +170,7 @@ impl<const GROUPS: usize> Decoded<GROUPS> {
     }
 
     /// Dot product with a Q8_K block: integer sums per sub-block, scaled once.
-    fn dot(&self, a: &BlockQ8K) -> f32 {
+    pub(crate) fn dot(&self, a: &BlockQ8K) -> f32 {
         let mut sum_scaled = 0i32;
         let mut sum_mins = 0i32;
         for g in 0..GROUPS {
@@ -414,24 +425,6 @@ impl BlockTq2_0 {
             dmin: 0.0,
         }
     }
-}
-
-macro_rules! weight_via_decode {
-    ($($block:ty => $ty:expr),* $(,)?) => {$(
-        impl WeightBlock for $block {
-            const TYPE: GgmlType = $ty;
-            type Act = BlockQ8K;
-            fn dequantize(&self, out: &mut [f32]) {
-                self.decode().dequantize(out)
-            }
-            fn dot(&self, a: &BlockQ8K) -> f32 {
-                self.decode().dot(a)
-            }
-            fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-                self.decode().unpack(levels, scale16, min16)
-            }
-        }
-    )*};
 }
 
 weight_via_decode! {

@@ -4,6 +4,27 @@
 //! IQ4_XS and the ternary types). These are the reference every faster kernel is tested
 //! against, so they favour plain code over speed.
 
+/// `WeightBlock` for block types that decode to [`kquants::Decoded`] with a `decode` method.
+macro_rules! weight_via_decode {
+    ($($block:ty => $ty:expr),* $(,)?) => {$(
+        impl WeightBlock for $block {
+            const TYPE: GgmlType = $ty;
+            type Act = BlockQ8K;
+            fn dequantize(&self, out: &mut [f32]) {
+                self.decode().dequantize(out)
+            }
+            fn dot(&self, a: &BlockQ8K) -> f32 {
+                self.decode().dot(a)
+            }
+            fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+                self.decode().unpack(levels, scale16, min16)
+            }
+        }
+    )*};
+}
+
+mod iq_grids;
+pub mod iquants;
 pub mod kquants;
 pub mod legacy;
 
@@ -13,6 +34,7 @@ use bytemuck::Pod;
 use half::{bf16, f16};
 
 use crate::types::GgmlType;
+pub use iquants::*;
 pub use kquants::*;
 pub use legacy::*;
 
@@ -127,6 +149,34 @@ macro_rules! with_block_type {
             }
             GgmlType::Tq2_0 => {
                 type $B = BlockTq2_0;
+                $body
+            }
+            GgmlType::Iq2Xxs => {
+                type $B = BlockIq2Xxs;
+                $body
+            }
+            GgmlType::Iq2Xs => {
+                type $B = BlockIq2Xs;
+                $body
+            }
+            GgmlType::Iq2S => {
+                type $B = BlockIq2S;
+                $body
+            }
+            GgmlType::Iq3Xxs => {
+                type $B = BlockIq3Xxs;
+                $body
+            }
+            GgmlType::Iq3S => {
+                type $B = BlockIq3S;
+                $body
+            }
+            GgmlType::Iq1S => {
+                type $B = BlockIq1S;
+                $body
+            }
+            GgmlType::Iq1M => {
+                type $B = BlockIq1M;
                 $body
             }
             _ => $otherwise,
