@@ -270,7 +270,7 @@ fn bad_lengths_and_types_are_errors() {
         Err(QuantError::NotBlockMultiple { .. })
     ));
     assert!(matches!(
-        dequantize(GgmlType::I32, &[0u8; 16], &mut vec![0f32; 3]),
+        dequantize(GgmlType::I32, &[0u8; 16], &mut [0f32; 3]),
         Err(QuantError::ByteLength { .. })
     ));
     assert!(matches!(
