@@ -94,7 +94,10 @@ const PROMPT_BATCH: usize = 512;
 /// the first tokens do not wait on page faults.
 pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
     if args.device == Device::Cuda {
-        bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
+        if memra_engine::backend::cuda::built_arch().is_none() {
+            bail!("{}", memra_engine::backend::cuda::CudaError::NoKernels);
+        }
+        bail!("--device cuda: running models on the GPU is not implemented yet (only `memra probe` is); use --device cpu");
     }
     if let Some(t) = args.threads {
         if t == 0 {

@@ -3,6 +3,7 @@
 mod bench;
 mod generate;
 mod inspect;
+mod probe;
 mod synth;
 mod tokenize;
 
@@ -99,6 +100,12 @@ enum Command {
         #[arg(short = 'o', long, value_enum, default_value_t = bench::Format::Md)]
         output: bench::Format,
     },
+    /// Show the GPU, the architecture the kernels were built for, and measured bandwidth.
+    Probe {
+        /// GPU ordinal.
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+    },
     /// Show what a GGUF file holds: architecture, hyperparameters, tokenizer, tensor types.
     Inspect {
         /// The GGUF file.
@@ -172,6 +179,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Probe { gpu } => probe::run(gpu),
         Command::Run {
             model,
             sampling,

@@ -1,0 +1,204 @@
+//! The CUDA backend: the device, the kernels built into this binary, and checks that they
+//! fit the GPU. Kernels are compiled by `build.rs` (one fatbin per `cu/*.cu` family) for
+//! one architecture; the engine refuses a GPU of another architecture with a clear message
+//! rather than failing at the first launch.
+//!
+//! This is the start of the backend: device bring-up, the first kernel families and
+//! `memra probe`. Model execution on the GPU is not here yet.
+
+pub mod probe;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use cudarc::nvrtc::Ptx;
+
+/// The kernel families embedded in this binary, by name.
+#[cfg(memra_cuda_kernels)]
+const FATBINS: &[(&str, &[u8])] = &[
+    (
+        "norm",
+        include_bytes!(concat!(env!("OUT_DIR"), "/norm.fatbin")),
+    ),
+    (
+        "probe",
+        include_bytes!(concat!(env!("OUT_DIR"), "/probe.fatbin")),
+    ),
+];
+#[cfg(not(memra_cuda_kernels))]
+const FATBINS: &[(&str, &[u8])] = &[];
+
+/// The architecture the kernels were built for (`90a`), if they were built.
+pub fn built_arch() -> Option<&'static str> {
+    #[cfg(memra_cuda_kernels)]
+    return Some(env!("MEMRA_BUILT_CUDA_ARCH"));
+    #[cfg(not(memra_cuda_kernels))]
+    None
+}
+
+/// The nvcc release that built the kernels (`13.0`).
+pub fn nvcc_release() -> Option<&'static str> {
+    #[cfg(memra_cuda_kernels)]
+    return Some(env!("MEMRA_NVCC_RELEASE"));
+    #[cfg(not(memra_cuda_kernels))]
+    None
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "this memra was built without CUDA kernels (no nvcc at build time); run \
+         `export MEMRA_NVCC=$(scripts/setup-cuda.sh)` and rebuild, or use --device cpu"
+    )]
+    NoKernels,
+    #[error("cannot use the CUDA driver: {0} (is an NVIDIA driver installed and a GPU visible?)")]
+    Driver(#[from] DriverError),
+    #[error(
+        "the kernels were built for sm_{built} but GPU {ordinal} ({name}) is compute capability \
+         {major}.{minor}; rebuild with MEMRA_CUDA_ARCH={wanted}"
+    )]
+    ArchMismatch {
+        built: &'static str,
+        ordinal: usize,
+        name: String,
+        major: i32,
+        minor: i32,
+        wanted: String,
+    },
+    #[error("kernel {0} is not in this build")]
+    MissingKernel(String),
+}
+
+/// The build architecture that runs on a compute capability (as build.rs picks it).
+pub fn arch_for(major: i32, minor: i32) -> String {
+    match (major, minor) {
+        (12, _) => "120a".into(),
+        (10, 0) => "100a".into(),
+        (9, 0) => "90a".into(),
+        (8, 9) => "89".into(),
+        (8, _) => "80".into(),
+        (a, b) => format!("{a}{b}"),
+    }
+}
+
+/// One GPU with the kernels loaded.
+pub struct CudaDevice {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    modules: Vec<(&'static str, Arc<CudaModule>)>,
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal` and loads the kernels, after checking they were built for it.
+    pub fn new(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        let built = built_arch().ok_or(CudaError::NoKernels)?;
+        let ctx = CudaContext::new(ordinal)?;
+        let name = ctx.name()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let wanted = arch_for(major, minor);
+        if wanted != built {
+            return Err(CudaError::ArchMismatch {
+                built,
+                ordinal,
+                name,
+                major,
+                minor,
+                wanted,
+            });
+        }
+        let modules = FATBINS
+            .iter()
+            .map(|&(family, image)| {
+                Ok((family, ctx.load_module(Ptx::from_binary(image.to_vec()))?))
+            })
+            .collect::<Result<Vec<_>, DriverError>>()?;
+        Ok(CudaDevice {
+            stream: ctx.default_stream(),
+            ctx,
+            name,
+            compute_capability: (major, minor),
+            modules,
+        })
+    }
+
+    /// A kernel of a family (`norm`, `rms_norm_f32`).
+    pub fn function(&self, family: &str, kernel: &str) -> Result<CudaFunction, CudaError> {
+        let module = self
+            .modules
+            .iter()
+            .find(|(f, _)| *f == family)
+            .map(|(_, m)| m)
+            .ok_or_else(|| CudaError::MissingKernel(format!("{family}/{kernel}")))?;
+        module
+            .load_function(kernel)
+            .map_err(|_| CudaError::MissingKernel(format!("{family}/{kernel}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arch_names_follow_compute_capability() {
+        assert_eq!(arch_for(9, 0), "90a");
+        assert_eq!(arch_for(12, 0), "120a");
+        assert_eq!(arch_for(10, 0), "100a");
+        assert_eq!(arch_for(8, 9), "89");
+        assert_eq!(arch_for(8, 0), "80");
+        assert_eq!(arch_for(7, 5), "75");
+    }
+
+    /// On a machine with a GPU: `cargo test -- --ignored gpu_`.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_rms_norm_matches_the_cpu_reference() {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let dev = CudaDevice::new(0).expect("GPU");
+        let f = dev.function("norm", "rms_norm_f32").unwrap();
+        let mut seed = 5u64;
+        let mut rnd = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) % 20001) as f32 / 10000.0 - 1.0
+        };
+        for (rows, n) in [(1usize, 896usize), (7, 4096), (3, 1000), (129, 17)] {
+            let x: Vec<f32> = (0..rows * n).map(|_| rnd() * 3.0).collect();
+            let w: Vec<f32> = (0..n).map(|_| 1.0 + rnd() * 0.1).collect();
+            let (xd, wd) = (
+                dev.stream.clone_htod(&x).unwrap(),
+                dev.stream.clone_htod(&w).unwrap(),
+            );
+            let mut yd = dev.stream.clone_htod(&vec![f32::NAN; rows * n]).unwrap();
+            let (n_i, eps) = (n as i32, 1e-6f32);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe {
+                dev.stream
+                    .launch_builder(&f)
+                    .arg(&xd)
+                    .arg(&wd)
+                    .arg(&mut yd)
+                    .arg(&n_i)
+                    .arg(&eps)
+                    .launch(cfg)
+                    .unwrap();
+            }
+            let y = dev.stream.clone_dtoh(&yd).unwrap();
+            let mut want = x.clone();
+            crate::backend::cpu::ops::rms_norm(&mut want, &w, eps);
+            for (i, (a, b)) in y.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                    "rows {rows} n {n} element {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
