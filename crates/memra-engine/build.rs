@@ -75,7 +75,7 @@ fn resolve_nvcc() -> Option<PathBuf> {
         }
     }
     // Newest first; equal releases keep discovery order (sort_by is stable).
-    ranked.sort_by(|a, b| b.0.cmp(&a.0));
+    ranked.sort_by_key(|r| std::cmp::Reverse(r.0));
     let ((major, minor), nvcc) = ranked.first()?.clone();
     println!(
         "cargo:warning=nvcc auto-detected: CUDA {major}.{minor} at {} (newest of {})",
