@@ -1,28 +1,12 @@
 //! Whole-model checks against llama.cpp's recorded outputs: greedy continuations and
 //! perplexity, on the tiny models of every architecture and on the real models.
 
-use std::path::PathBuf;
-
 use memra_engine::models::{LogitRows, Model};
-use memra_gguf::test_files::{real_model, shared_dir, tiny_model};
+mod common;
+
+use common::{golden, model_path};
+use memra_gguf::test_files::shared_dir;
 use serde_json::Value as Json;
-
-fn model_path(name: &str) -> PathBuf {
-    if name.starts_with("tiny-") {
-        tiny_model(&format!("{name}.gguf"))
-    } else {
-        real_model(&format!("{name}.gguf"))
-    }
-}
-
-fn golden(file: &str) -> Vec<Json> {
-    let text = std::fs::read_to_string(shared_dir().join("golden").join(file)).unwrap();
-    serde_json::from_str::<Json>(&text)
-        .unwrap()
-        .as_array()
-        .unwrap()
-        .clone()
-}
 
 fn argmax(v: &[f32]) -> usize {
     v.iter()

@@ -2,22 +2,14 @@
 //! (`../shared/golden`), and round trips on random text.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use memra_engine::tokenizer::template::{ChatInput, ChatTemplate};
 use memra_engine::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
-use memra_gguf::test_files::{real_model, shared_dir, tiny_model};
+mod common;
+
+use common::{golden, model_path};
 use memra_gguf::{GgufFile, Metadata, Value};
 use proptest::prelude::*;
-use serde_json::Value as Json;
-
-fn model_path(name: &str) -> PathBuf {
-    if name.starts_with("tiny-") {
-        tiny_model(&format!("{name}.gguf"))
-    } else {
-        real_model(&format!("{name}.gguf"))
-    }
-}
 
 fn metadata(name: &str) -> Metadata {
     GgufFile::open(model_path(name)).unwrap().metadata
@@ -25,15 +17,6 @@ fn metadata(name: &str) -> Metadata {
 
 fn tokenizer(name: &str) -> Tokenizer {
     Tokenizer::from_metadata(&metadata(name)).unwrap()
-}
-
-fn golden(file: &str) -> Vec<Json> {
-    let text = std::fs::read_to_string(shared_dir().join("golden").join(file)).unwrap();
-    serde_json::from_str::<Json>(&text)
-        .unwrap()
-        .as_array()
-        .unwrap()
-        .clone()
 }
 
 #[test]

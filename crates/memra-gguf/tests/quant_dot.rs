@@ -3,27 +3,11 @@
 
 use half::f16;
 use memra_gguf::quant::{
-    activation_type, dequantize, dequantize_to_vec, quantize_activations, unpack_row, vec_dot,
-    vec_dot_f32, QuantError,
+    activation_type, dequantize, dequantize_to_vec, f16_scale_fields, quantize_activations,
+    unpack_row, vec_dot, vec_dot_f32, QuantError,
 };
 use memra_gguf::GgmlType;
 use proptest::prelude::*;
-
-/// Byte offsets of the f16 scale fields of each block type (ggml-common.h layouts), so that
-/// random blocks hold finite, small scales as real weights do.
-fn f16_fields(ty: GgmlType) -> &'static [usize] {
-    use GgmlType::*;
-    match ty {
-        Q4_0 | Q5_0 | Q8_0 | Iq4Nl | Iq4Xs | Iq2Xxs | Iq2Xs | Iq2S | Iq3Xxs | Iq3S | Iq1S => &[0],
-        Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
-        Q2K => &[80, 82],
-        Q3K => &[108],
-        Q6K => &[208],
-        Tq1_0 => &[52],
-        Tq2_0 => &[64],
-        _ => &[],
-    }
-}
 
 const DOT_TYPES: [GgmlType; 22] = [
     GgmlType::Iq2Xxs,
@@ -59,7 +43,7 @@ fn random_blocks(ty: GgmlType, n_blocks: usize, bytes: &[u8], scales: &[f32]) ->
         .copied()
         .collect();
     for (b, block) in raw.chunks_exact_mut(size).enumerate() {
-        for (k, &off) in f16_fields(ty).iter().enumerate() {
+        for (k, &off) in f16_scale_fields(ty).iter().enumerate() {
             let s = scales[(b * 2 + k) % scales.len()];
             block[off..off + 2].copy_from_slice(&f16::from_f32(s).to_le_bytes());
         }

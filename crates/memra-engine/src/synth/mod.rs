@@ -13,7 +13,8 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use half::f16;
-use memra_gguf::{string_array, GgmlType, GgufBuilder, Layout, TensorSpec, Value, ValueType};
+use memra_gguf::quant::f16_scale_fields;
+use memra_gguf::{string_array, GgufBuilder, Layout, TensorSpec, Value, ValueType};
 use rayon::prelude::*;
 
 use rng::Rng;
@@ -109,20 +110,6 @@ pub fn builder(shape: &Shape, mix: QuantMix, seed: u64) -> (GgufBuilder, Vec<Syn
     (b, tensors)
 }
 
-/// Byte offsets of the f16 scale fields in a block (ggml-common.h layouts); synthesized
-/// blocks get small positive values there so that every weight is finite and moderate.
-fn scale_fields(ty: GgmlType) -> &'static [usize] {
-    use GgmlType::*;
-    match ty {
-        Q4_0 | Q5_0 | Q8_0 | Iq4Nl | Iq4Xs => &[0],
-        Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
-        Q2K => &[80, 82],
-        Q3K => &[108],
-        Q6K => &[208],
-        _ => &[],
-    }
-}
-
 /// Small positive f16 scales, indexed by a random byte: 2^-11 .. 2^-9.
 fn scale_table() -> [[u8; 2]; 256] {
     std::array::from_fn(|i| f16::from_f32((1.0 + 3.0 * i as f32 / 255.0) / 2048.0).to_le_bytes())
@@ -142,7 +129,7 @@ fn fill_chunk(t: &SynthTensor, index: usize, offset: u64, chunk: &mut [u8], seed
             match t.fill {
                 Fill::Blocks => {
                     rng.fill_bytes(part);
-                    let fields = scale_fields(t.ty);
+                    let fields = f16_scale_fields(t.ty);
                     for b in part.chunks_exact_mut(block) {
                         for &f in fields {
                             // The block's own random byte picks its scale.

@@ -428,6 +428,9 @@ impl BlockTq2_0 {
 }
 
 weight_via_decode! {
+    BlockQ4K => GgmlType::Q4K => fast,
+    BlockQ5K => GgmlType::Q5K => fast,
+    BlockQ6K => GgmlType::Q6K => fast,
     BlockQ2K => GgmlType::Q2K,
     BlockQ3K => GgmlType::Q3K,
     BlockIq4Xs => GgmlType::Iq4Xs,
@@ -452,16 +455,8 @@ fn k4_affine(
 }
 
 // The hot k-quants unpack straight to int8 (the `Decoded` path goes through i32).
-impl WeightBlock for BlockQ4K {
-    const TYPE: GgmlType = GgmlType::Q4K;
-    type Act = BlockQ8K;
-    fn dequantize(&self, out: &mut [f32]) {
-        self.decode().dequantize(out)
-    }
-    fn dot(&self, a: &BlockQ8K) -> f32 {
-        self.decode().dot(a)
-    }
-    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+impl BlockQ4K {
+    fn unpack_fast(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
         for (q, y) in self.qs.chunks_exact(32).zip(levels.chunks_exact_mut(64)) {
             for l in 0..32 {
                 y[l] = (q[l] & 0x0f) as i8;
@@ -478,16 +473,8 @@ impl WeightBlock for BlockQ4K {
     }
 }
 
-impl WeightBlock for BlockQ5K {
-    const TYPE: GgmlType = GgmlType::Q5K;
-    type Act = BlockQ8K;
-    fn dequantize(&self, out: &mut [f32]) {
-        self.decode().dequantize(out)
-    }
-    fn dot(&self, a: &BlockQ8K) -> f32 {
-        self.decode().dot(a)
-    }
-    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+impl BlockQ5K {
+    fn unpack_fast(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
         for (c, (q, y)) in self
             .qs
             .chunks_exact(32)
@@ -511,16 +498,8 @@ impl WeightBlock for BlockQ5K {
     }
 }
 
-impl WeightBlock for BlockQ6K {
-    const TYPE: GgmlType = GgmlType::Q6K;
-    type Act = BlockQ8K;
-    fn dequantize(&self, out: &mut [f32]) {
-        self.decode().dequantize(out)
-    }
-    fn dot(&self, a: &BlockQ8K) -> f32 {
-        self.decode().dot(a)
-    }
-    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+impl BlockQ6K {
+    fn unpack_fast(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
         for half in 0..2 {
             let ql = &self.ql[half * 64..half * 64 + 64];
             let qh = &self.qh[half * 32..half * 32 + 32];

@@ -296,59 +296,33 @@ impl WeightBlock for BlockQ5_1 {
     }
 }
 
-impl WeightBlock for BlockQ8_0 {
-    const TYPE: GgmlType = GgmlType::Q8_0;
-    type Act = BlockQ8_0;
-    fn dequantize(&self, out: &mut [f32]) {
-        let d = self.d.to_f32();
-        for (o, &q) in out.iter_mut().zip(&self.qs) {
-            *o = f32::from(q) * d;
+/// Q8_0 and Q8_1 weights: int8 values with one scale (Q8_1's stored sum is for its use as
+/// an activation; as a weight it is not needed).
+macro_rules! int8_weight {
+    ($($block:ty => $ty:expr),*) => {$(
+        impl WeightBlock for $block {
+            const TYPE: GgmlType = $ty;
+            type Act = $block;
+            fn dequantize(&self, out: &mut [f32]) {
+                let d = self.d.to_f32();
+                for (o, &q) in out.iter_mut().zip(&self.qs) {
+                    *o = f32::from(q) * d;
+                }
+            }
+            fn dot(&self, a: &$block) -> f32 {
+                let sumi: i32 = self.qs.iter().zip(&a.qs).map(|(&w, &x)| i32::from(w) * i32::from(x)).sum();
+                sumi as f32 * self.d.to_f32() * a.d.to_f32()
+            }
+            fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
+                levels.copy_from_slice(&self.qs);
+                scale16[..2].fill(self.d.to_f32());
+                min16[..2].fill(0.0);
+            }
         }
-    }
-    fn dot(&self, a: &BlockQ8_0) -> f32 {
-        let sumi: i32 = self
-            .qs
-            .iter()
-            .zip(&a.qs)
-            .map(|(&w, &x)| i32::from(w) * i32::from(x))
-            .sum();
-        sumi as f32 * self.d.to_f32() * a.d.to_f32()
-    }
-    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-        for (l, &q) in levels.iter_mut().zip(&self.qs) {
-            *l = q;
-        }
-        scale16[..2].fill(self.d.to_f32());
-        min16[..2].fill(0.0);
-    }
+    )*};
 }
 
-impl WeightBlock for BlockQ8_1 {
-    const TYPE: GgmlType = GgmlType::Q8_1;
-    type Act = BlockQ8_1;
-    fn dequantize(&self, out: &mut [f32]) {
-        let d = self.d.to_f32();
-        for (o, &q) in out.iter_mut().zip(&self.qs) {
-            *o = f32::from(q) * d;
-        }
-    }
-    fn dot(&self, a: &BlockQ8_1) -> f32 {
-        let sumi: i32 = self
-            .qs
-            .iter()
-            .zip(&a.qs)
-            .map(|(&w, &x)| i32::from(w) * i32::from(x))
-            .sum();
-        sumi as f32 * self.d.to_f32() * a.d.to_f32()
-    }
-    fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-        for (l, &q) in levels.iter_mut().zip(&self.qs) {
-            *l = q;
-        }
-        scale16[..2].fill(self.d.to_f32());
-        min16[..2].fill(0.0);
-    }
-}
+int8_weight!(BlockQ8_0 => GgmlType::Q8_0, BlockQ8_1 => GgmlType::Q8_1);
 
 /// Round half away from zero, as C's `roundf` (ggml's activation quantizers use it).
 #[inline]

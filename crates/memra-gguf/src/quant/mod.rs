@@ -4,9 +4,16 @@
 //! IQ4_XS and the ternary types). These are the reference every faster kernel is tested
 //! against, so they favour plain code over speed.
 
-/// `WeightBlock` for block types that decode to [`kquants::Decoded`] with a `decode` method.
+/// `WeightBlock` for block types that decode to [`kquants::Decoded`] with a `decode` method;
+/// `=> fast` names an inherent `unpack_fast` method to use for unpacking instead.
 macro_rules! weight_via_decode {
-    ($($block:ty => $ty:expr),* $(,)?) => {$(
+    (@unpack $self:ident, $l:ident, $s:ident, $m:ident) => {
+        $self.decode().unpack($l, $s, $m)
+    };
+    (@unpack $self:ident, $l:ident, $s:ident, $m:ident, fast) => {
+        $self.unpack_fast($l, $s, $m)
+    };
+    ($($block:ty => $ty:expr $(=> $fast:ident)?),* $(,)?) => {$(
         impl WeightBlock for $block {
             const TYPE: GgmlType = $ty;
             type Act = BlockQ8K;
@@ -17,7 +24,7 @@ macro_rules! weight_via_decode {
                 self.decode().dot(a)
             }
             fn unpack(&self, levels: &mut [i8], scale16: &mut [f32], min16: &mut [f32]) {
-                self.decode().unpack(levels, scale16, min16)
+                weight_via_decode!(@unpack self, levels, scale16, min16 $(, $fast)?)
             }
         }
     )*};
@@ -182,6 +189,22 @@ macro_rules! with_block_type {
             _ => $otherwise,
         }
     };
+}
+
+/// Byte offsets of the f16 scale fields inside a block of `ty` (ggml-common.h layouts).
+/// Tests and `memra synth` write small finite scales there when they make random blocks.
+pub fn f16_scale_fields(ty: GgmlType) -> &'static [usize] {
+    use GgmlType::*;
+    match ty {
+        Q4_0 | Q5_0 | Q8_0 | Iq4Nl | Iq4Xs | Iq2Xxs | Iq2Xs | Iq2S | Iq3Xxs | Iq3S | Iq1S => &[0],
+        Q4_1 | Q5_1 | Q8_1 | Q4K | Q5K => &[0, 2],
+        Q2K => &[80, 82],
+        Q3K => &[108],
+        Q6K => &[208],
+        Tq1_0 => &[52],
+        Tq2_0 => &[64],
+        _ => &[],
+    }
 }
 
 /// Views bytes as blocks without copying when they are aligned; copies otherwise.

@@ -338,18 +338,7 @@ mod tests {
         let mut data: Vec<u8> = (0..n * ty.row_bytes(k as u64).unwrap() as usize)
             .map(|_| lcg(seed) as u8)
             .collect();
-        let fields: &[usize] = match ty {
-            GgmlType::Q4_0
-            | GgmlType::Q5_0
-            | GgmlType::Q8_0
-            | GgmlType::Iq4Nl
-            | GgmlType::Iq4Xs => &[0],
-            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-            GgmlType::Q2K => &[80, 82],
-            GgmlType::Q3K => &[108],
-            GgmlType::Q6K => &[208],
-            _ => &[],
-        };
+        let fields = memra_gguf::quant::f16_scale_fields(ty);
         let bs = ty.type_size();
         for b in data.chunks_exact_mut(bs) {
             for &f in fields {
