@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel families, one fatbin each.
-const KERNELS: [&str; 2] = ["norm", "probe"];
+const KERNELS: [&str; 3] = ["norm", "probe", "quant_matvec"];
 /// Architectures the kernels are written for.
 const ARCHES: [&str; 5] = ["120a", "100a", "90a", "89", "80"];
 const DEFAULT_ARCH: &str = "90a";
@@ -112,10 +112,26 @@ fn choose_arch() -> String {
     arch.to_string()
 }
 
+/// Writes `const FATBINS: &[(&str, &[u8])]` naming each family's fatbin.
+fn write_table(path: &Path, fatbins: &[(&str, PathBuf)]) {
+    let mut src = String::from("const FATBINS: &[(&str, &[u8])] = &[\n");
+    for (name, file) in fatbins {
+        src += &format!(
+            "    ({name:?}, include_bytes!({:?})),\n",
+            file.display().to_string()
+        );
+    }
+    src += "];\n";
+    std::fs::write(path, src).expect("write the fatbin table");
+}
+
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(memra_cuda_kernels)");
     println!("cargo:rerun-if-changed=cu");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    // The table of embedded fatbins the engine includes; empty until kernels are built.
+    let table = out.join("fatbins.rs");
+    write_table(&table, &[]);
     let Some(nvcc) = resolve_nvcc() else {
         println!(
             "cargo:warning=no nvcc found: building without CUDA kernels (CPU only). \
@@ -131,6 +147,7 @@ fn main() {
     let (major, minor) = nvcc_release(&nvcc)
         .unwrap_or_else(|| panic!("{} does not run (`nvcc --version` failed)", nvcc.display()));
     let gencode = format!("arch=compute_{arch},code=sm_{arch}");
+    let mut built = Vec::new();
     for k in KERNELS {
         let src = format!("cu/{k}.cu");
         let fatbin = out.join(format!("{k}.fatbin"));
@@ -149,7 +166,9 @@ fn main() {
             .status()
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
         assert!(status.success(), "nvcc failed on {src} for sm_{arch}");
+        built.push((k, fatbin));
     }
+    write_table(&table, &built);
     println!("cargo:rustc-cfg=memra_cuda_kernels");
     println!("cargo:rustc-env=MEMRA_BUILT_CUDA_ARCH={arch}");
     println!("cargo:rustc-env=MEMRA_NVCC_RELEASE={major}.{minor}");

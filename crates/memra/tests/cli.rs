@@ -551,7 +551,7 @@ fn run_refuses_bad_requests_clearly() {
         ),
         (
             vec!["run", "-m", m, "-p", "hi", "--device", "cuda"],
-            "no CUDA backend",
+            "--device cpu",
         ),
         (vec!["run", "-m", m, "-p", "hi", "--top-p", "2"], "top-p"),
         (

@@ -6,6 +6,7 @@
 //! This is the start of the backend: device bring-up, the first kernel families and
 //! `memra probe`. Model execution on the GPU is not here yet.
 
+pub mod matvec;
 pub mod probe;
 
 use std::sync::Arc;
@@ -13,20 +14,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 
-/// The kernel families embedded in this binary, by name.
-#[cfg(memra_cuda_kernels)]
-const FATBINS: &[(&str, &[u8])] = &[
-    (
-        "norm",
-        include_bytes!(concat!(env!("OUT_DIR"), "/norm.fatbin")),
-    ),
-    (
-        "probe",
-        include_bytes!(concat!(env!("OUT_DIR"), "/probe.fatbin")),
-    ),
-];
-#[cfg(not(memra_cuda_kernels))]
-const FATBINS: &[(&str, &[u8])] = &[];
+// `FATBINS`: the kernel families embedded in this binary, by name, as build.rs compiled
+// them (empty when it found no nvcc).
+include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
 
 /// The architecture the kernels were built for (`90a`), if they were built.
 pub fn built_arch() -> Option<&'static str> {
@@ -67,6 +57,13 @@ pub enum CudaError {
     },
     #[error("kernel {0} is not in this build")]
     MissingKernel(String),
+    #[error("no GPU kernel for {op} on {ty} weights yet")]
+    Unsupported {
+        op: &'static str,
+        ty: memra_gguf::GgmlType,
+    },
+    #[error("invalid kernel arguments: {0}")]
+    Invalid(String),
 }
 
 /// The build architecture that runs on a compute capability (as build.rs picks it).
@@ -133,7 +130,7 @@ impl CudaDevice {
             .ok_or_else(|| CudaError::MissingKernel(format!("{family}/{kernel}")))?;
         module
             .load_function(kernel)
-            .map_err(|_| CudaError::MissingKernel(format!("{family}/{kernel}")))
+            .map_err(|e| CudaError::MissingKernel(format!("{family}/{kernel} ({e})")))
     }
 }
 
