@@ -1,25 +1,61 @@
-// Matrix-vector products on quantized weights for decoding (1 to 8 tokens): one warp per
-// weight row, weights dequantized in registers and multiplied with f32 activations. The
-// weights are read once per call whatever the token count, which is what decode speed is
-// bound by.
+// Matrix-vector products on quantized weights for decoding (1 to 8 tokens).
 //
-// W: nrows rows of ncols weights in the ggml block layout; X: ntok x ncols f32;
-// Y: ntok x nrows f32. Blocks of ROWS_PER_BLOCK warps; grid = ceil(nrows / ROWS_PER_BLOCK).
+// Activations are first quantized to int8 in blocks of 32 with an f32 scale and the scaled
+// block sum (`quantize_act_q8`, the form llama.cpp calls q8_1); then one warp per weight
+// row unpacks the weights to packed int8 and multiplies them with `dp4a`, four products per
+// instruction. Weights are read once per call whatever the token count; decode speed is
+// bound by exactly that read.
+//
+// W: nrows rows of ncols weights in the ggml block layout. XQ: ntok x ncols int8;
+// XD, XS: ntok x ncols/32 f32 (scale, scale * sum of the block). Y: ntok x nrows f32.
+// Thread blocks of ROWS_PER_BLOCK warps; grid = ceil(nrows / ROWS_PER_BLOCK).
 #include "common.cuh"
 
 #define ROWS_PER_BLOCK 4
 #define MAX_TOKENS 8
+
+// One warp per 32 activations: int8 values, scale = max|x| / 127, scale * sum(q).
+extern "C" __global__ void quantize_act_q8(const float* __restrict__ x, int8_t* __restrict__ q,
+                                           float* __restrict__ d, float* __restrict__ s, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const float v = i < n ? x[i] : 0.0f;
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    const float scale = amax / 127.0f;
+    const int qi = amax == 0.0f ? 0 : (int)roundf(v / scale);
+    const float sum = warp_sum((float)qi);
+    if (i < n) {
+        q[i] = (int8_t)qi;
+        if (i % 32 == 0) {
+            d[i / 32] = scale;
+            s[i / 32] = scale * sum;
+        }
+    }
+}
 
 __device__ __forceinline__ void warp_store(float (&acc)[MAX_TOKENS], int ntok, float* Y, int nrows, int row) {
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; ++t) {
         if (t < ntok) {
             const float v = warp_sum(acc[t]);
-            if (threadIdx.x % WARP_SIZE == 0) {
-                Y[(size_t)t * nrows + row] = v;
-            }
+            if (threadIdx.x % WARP_SIZE == 0) Y[(size_t)t * nrows + row] = v;
         }
     }
+}
+
+// 32 int8 activations of token t at element `at` as eight packed ints.
+__device__ __forceinline__ void load_act(const int8_t* XQ, size_t at, int (&a)[8]) {
+    const int4* p = (const int4*)(XQ + at);
+    const int4 lo = p[0], hi = p[1];
+    a[0] = lo.x; a[1] = lo.y; a[2] = lo.z; a[3] = lo.w;
+    a[4] = hi.x; a[5] = hi.y; a[6] = hi.z; a[7] = hi.w;
+}
+
+// A 32-bit word from a 2-byte-aligned address.
+__device__ __forceinline__ int load_int_b2(const uint8_t* p) {
+    const uint16_t* h = (const uint16_t*)p;
+    return (int)h[0] | ((int)h[1] << 16);
 }
 
 // Q4_K: 144-byte blocks of 256 (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
@@ -34,7 +70,8 @@ __device__ __forceinline__ void q4_k_scale_min(int j, const uint8_t* q, int& s, 
     }
 }
 
-extern "C" __global__ void mmvq_q4_k(const uint8_t* __restrict__ W, const float* __restrict__ X,
+extern "C" __global__ void mmvq_q4_k(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
+                                     const float* __restrict__ XD, const float* __restrict__ XS,
                                      float* __restrict__ Y, int ncols, int nrows, int ntok) {
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= nrows) return;
@@ -42,39 +79,41 @@ extern "C" __global__ void mmvq_q4_k(const uint8_t* __restrict__ W, const float*
     const int nb = ncols / 256;
     const uint8_t* wrow = W + (size_t)row * nb * 144;
     const int j = lane % 8;
+    const int shift = (j % 2) * 4;
     float acc[MAX_TOKENS] = {0};
     for (int b = lane / 8; b < nb; b += WARP_SIZE / 8) {
         const uint8_t* blk = wrow + (size_t)b * 144;
-        const float d = __half2float(*(const __half*)blk);
-        const float dmin = __half2float(*(const __half*)(blk + 2));
-        int s, m;
-        q4_k_scale_min(j, blk + 4, s, m);
-        const float ds = d * s, dm = dmin * m;
-        const uint4* q = (const uint4*)(blk + 16 + 32 * (j / 2));
-        uint4 v[2] = {q[0], q[1]};
-        const uint8_t* bytes = (const uint8_t*)v;
-        const int shift = (j % 2) * 4;
+        const half2 dm = *(const half2*)blk;
+        int sc, mn;
+        q4_k_scale_min(j, blk + 4, sc, mn);
+        const int4* q = (const int4*)(blk + 16 + 32 * (j / 2));
+        const int4 q0 = q[0], q1 = q[1];
+        const int w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        int v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = (w[i] >> shift) & 0x0f0f0f0f;
+        const float ds = __low2float(dm) * sc, dmn = __high2float(dm) * mn;
+        const int xb = b * 8 + j;  // activation block of 32
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t >= ntok) break;
-            const float4* x = (const float4*)(X + (size_t)t * ncols + b * 256 + 32 * j);
-            float sum = 0.0f, xsum = 0.0f;
+            int a[8];
+            load_act(XQ, (size_t)t * ncols + (size_t)xb * 32, a);
+            int dot = 0;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float4 xv = x[i];
-                sum += xv.x * ((bytes[4 * i + 0] >> shift) & 15) + xv.y * ((bytes[4 * i + 1] >> shift) & 15) +
-                       xv.z * ((bytes[4 * i + 2] >> shift) & 15) + xv.w * ((bytes[4 * i + 3] >> shift) & 15);
-                xsum += xv.x + xv.y + xv.z + xv.w;
-            }
-            acc[t] += ds * sum - dm * xsum;
+            for (int i = 0; i < 8; ++i) dot = __dp4a(v[i], a[i], dot);
+            const size_t ai = (size_t)t * (ncols / 32) + xb;
+            acc[t] += ds * XD[ai] * dot - dmn * XS[ai];
         }
     }
     warp_store(acc, ntok, Y, nrows, row);
 }
 
 // Q6_K: 210-byte blocks of 256 (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
-// scales, d). Eight lanes share a block: lane (h, p) takes weights 128h + 32p .. + 32.
-extern "C" __global__ void mmvq_q6_k(const uint8_t* __restrict__ W, const float* __restrict__ X,
+// scales, d). Eight lanes share a block: lane (h, p) takes weights 128h + 32p .. + 32,
+// whose two halves of 16 have their own scales.
+extern "C" __global__ void mmvq_q6_k(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
+                                     const float* __restrict__ XD, const float* __restrict__ XS,
                                      float* __restrict__ Y, int ncols, int nrows, int ntok) {
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= nrows) return;
@@ -82,38 +121,43 @@ extern "C" __global__ void mmvq_q6_k(const uint8_t* __restrict__ W, const float*
     const int nb = ncols / 256;
     const uint8_t* wrow = W + (size_t)row * nb * 210;
     const int h = (lane % 8) / 4, p = lane % 4;
+    const int lshift = (p / 2) * 4, hshift = 2 * p;
     float acc[MAX_TOKENS] = {0};
     for (int b = lane / 8; b < nb; b += WARP_SIZE / 8) {
         const uint8_t* blk = wrow + (size_t)b * 210;
-        const float d = __half2float(__ushort_as_half(blk[208] | (blk[209] << 8)));
         const uint8_t* ql = blk + 64 * h + 32 * (p % 2);
         const uint8_t* qh = blk + 128 + 32 * h;
-        const int8_t* sc = (const int8_t*)(blk + 192) + 8 * h + 2 * p;
-        const int lshift = (p / 2) * 4, hshift = 2 * p;
-        int8_t w[32];
+        int v[8];
 #pragma unroll
-        for (int l = 0; l < 32; ++l) {
-            w[l] = (int8_t)((((ql[l] >> lshift) & 15) | (((qh[l] >> hshift) & 3) << 4)) - 32);
+        for (int i = 0; i < 8; ++i) {
+            const int lo = (load_int_b2(ql + 4 * i) >> lshift) & 0x0f0f0f0f;
+            const int hi = ((load_int_b2(qh + 4 * i) >> hshift) & 0x03030303) << 4;
+            v[i] = __vsubss4(lo | hi, 0x20202020);
         }
+        const int8_t* sc = (const int8_t*)(blk + 192) + 8 * h + 2 * p;
+        const float d = __half2float(__ushort_as_half(*(const uint16_t*)(blk + 208)));
         const float s0 = d * sc[0], s1 = d * sc[1];
+        const int xb = b * 8 + 4 * h + p;
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t >= ntok) break;
-            const float* x = X + (size_t)t * ncols + b * 256 + 128 * h + 32 * p;
-            float a0 = 0.0f, a1 = 0.0f;
+            int a[8];
+            load_act(XQ, (size_t)t * ncols + (size_t)xb * 32, a);
+            int d0 = 0, d1 = 0;
 #pragma unroll
-            for (int l = 0; l < 16; ++l) {
-                a0 += x[l] * w[l];
-                a1 += x[l + 16] * w[l + 16];
+            for (int i = 0; i < 4; ++i) {
+                d0 = __dp4a(v[i], a[i], d0);
+                d1 = __dp4a(v[i + 4], a[i + 4], d1);
             }
-            acc[t] += s0 * a0 + s1 * a1;
+            acc[t] += XD[(size_t)t * (ncols / 32) + xb] * (s0 * d0 + s1 * d1);
         }
     }
     warp_store(acc, ntok, Y, nrows, row);
 }
 
 // Q8_0: 34-byte blocks of 32 (d, 32 int8); one lane per block.
-extern "C" __global__ void mmvq_q8_0(const uint8_t* __restrict__ W, const float* __restrict__ X,
+extern "C" __global__ void mmvq_q8_0(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
+                                     const float* __restrict__ XD, const float* __restrict__ XS,
                                      float* __restrict__ Y, int ncols, int nrows, int ntok) {
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= nrows) return;
@@ -122,26 +166,20 @@ extern "C" __global__ void mmvq_q8_0(const uint8_t* __restrict__ W, const float*
     const uint8_t* wrow = W + (size_t)row * nb * 34;
     float acc[MAX_TOKENS] = {0};
     for (int b = lane; b < nb; b += WARP_SIZE) {
-        const uint16_t* blk = (const uint16_t*)(wrow + (size_t)b * 34);
-        const float d = __half2float(__ushort_as_half(blk[0]));
-        int8_t w[32];
+        const uint8_t* blk = wrow + (size_t)b * 34;
+        const float d = __half2float(__ushort_as_half(*(const uint16_t*)blk));
+        int v[8];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const uint16_t pair = blk[1 + i];
-            w[2 * i] = (int8_t)(pair & 0xff);
-            w[2 * i + 1] = (int8_t)(pair >> 8);
-        }
+        for (int i = 0; i < 8; ++i) v[i] = load_int_b2(blk + 2 + 4 * i);
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t >= ntok) break;
-            const float4* x = (const float4*)(X + (size_t)t * ncols + b * 32);
-            float sum = 0.0f;
+            int a[8];
+            load_act(XQ, (size_t)t * ncols + (size_t)b * 32, a);
+            int dot = 0;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float4 xv = x[i];
-                sum += xv.x * w[4 * i] + xv.y * w[4 * i + 1] + xv.z * w[4 * i + 2] + xv.w * w[4 * i + 3];
-            }
-            acc[t] += d * sum;
+            for (int i = 0; i < 8; ++i) dot = __dp4a(v[i], a[i], dot);
+            acc[t] += d * XD[(size_t)t * nb + b] * dot;
         }
     }
     warp_store(acc, ntok, Y, nrows, row);

@@ -1,4 +1,5 @@
-//! Decode-time matrix-vector products on quantized weights (`cu/quant_matvec.cu`).
+//! Decode-time matrix-vector products on quantized weights (`cu/quant_matvec.cu`): the
+//! activations are quantized to int8 on the device, then multiplied with `dp4a`.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use memra_gguf::GgmlType;
@@ -20,15 +21,73 @@ pub fn kernel_for(ty: GgmlType) -> Option<&'static str> {
     }
 }
 
+/// Activations quantized on the device for the integer kernels: int8 values, and per 32
+/// values the scale and the scaled sum.
+pub struct DeviceActs {
+    pub q: CudaSlice<i8>,
+    pub d: CudaSlice<f32>,
+    pub s: CudaSlice<f32>,
+}
+
+impl DeviceActs {
+    /// Room for `n` activations (a multiple of 32).
+    pub fn new(dev: &CudaDevice, n: usize) -> Result<DeviceActs, CudaError> {
+        if n % 32 != 0 {
+            return Err(CudaError::Invalid(format!(
+                "{n} activations are not whole blocks of 32"
+            )));
+        }
+        Ok(DeviceActs {
+            q: dev.stream.alloc_zeros(n)?,
+            d: dev.stream.alloc_zeros(n / 32)?,
+            s: dev.stream.alloc_zeros(n / 32)?,
+        })
+    }
+
+    /// Quantizes the first `n` values of `x` into this buffer.
+    pub fn quantize(
+        &mut self,
+        dev: &CudaDevice,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        if n % 32 != 0 || n > self.q.len() || n > x.len() {
+            return Err(CudaError::Invalid(format!(
+                "cannot quantize {n} activations here"
+            )));
+        }
+        let f = dev.function("quant_matvec", "quantize_act_q8")?;
+        const THREADS: u32 = 256;
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n_i = n as i32;
+        // SAFETY: n <= the lengths of x and q, n / 32 <= those of d and s.
+        unsafe {
+            dev.stream
+                .launch_builder(&f)
+                .arg(x)
+                .arg(&mut self.q)
+                .arg(&mut self.d)
+                .arg(&mut self.s)
+                .arg(&n_i)
+                .launch(cfg)?;
+        }
+        Ok(())
+    }
+}
+
 /// `y[t][r] = w[r] . x[t]` for `ntok` tokens: `w` is `nrows` rows of `ncols` weights of
-/// type `ty` (16-byte aligned, as device allocations are), `x` is `ntok x ncols` f32, `y`
-/// is `ntok x nrows` f32.
+/// type `ty` (16-byte aligned, as device allocations are), `x` holds `ntok x ncols`
+/// quantized activations, `y` is `ntok x nrows` f32.
 #[allow(clippy::too_many_arguments)]
 pub fn mmvq(
     dev: &CudaDevice,
     ty: GgmlType,
     w: &CudaSlice<u8>,
-    x: &CudaSlice<f32>,
+    x: &DeviceActs,
     y: &mut CudaSlice<f32>,
     ncols: usize,
     nrows: usize,
@@ -43,7 +102,7 @@ pub fn mmvq(
             "{ntok} tokens (1 to {MAX_TOKENS})"
         )));
     }
-    if w.len() < row_bytes as usize * nrows || x.len() < ntok * ncols || y.len() < ntok * nrows {
+    if w.len() < row_bytes as usize * nrows || x.q.len() < ntok * ncols || y.len() < ntok * nrows {
         return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
     }
     let f = dev.function("quant_matvec", name)?;
@@ -54,12 +113,14 @@ pub fn mmvq(
     };
     let (c, r, t) = (ncols as i32, nrows as i32, ntok as i32);
     // SAFETY: sizes were checked against the shapes; the kernel reads `nrows` rows of `w`,
-    // `ntok x ncols` of `x` and writes `ntok x nrows` of `y`.
+    // `ntok x ncols` activations and writes `ntok x nrows` of `y`.
     unsafe {
         dev.stream
             .launch_builder(&f)
             .arg(w)
-            .arg(x)
+            .arg(&x.q)
+            .arg(&x.d)
+            .arg(&x.s)
             .arg(y)
             .arg(&c)
             .arg(&r)
@@ -111,8 +172,20 @@ mod tests {
                         .stream
                         .clone_htod(&vec![f32::NAN; ntok * nrows])
                         .unwrap();
-                    mmvq(&dev, ty, &wd, &xd, &mut yd, ncols, nrows, ntok).unwrap();
+                    let mut acts = DeviceActs::new(&dev, ntok * ncols).unwrap();
+                    acts.quantize(&dev, &xd, ntok * ncols).unwrap();
+                    mmvq(&dev, ty, &wd, &acts, &mut yd, ncols, nrows, ntok).unwrap();
                     let y = dev.stream.clone_dtoh(&yd).unwrap();
+                    // The activations as the kernel sees them: int8 per 32, scale amax/127.
+                    let x: Vec<f32> = x
+                        .chunks_exact(32)
+                        .flat_map(|c| {
+                            let d = c.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                            c.iter()
+                                .map(move |v| if d == 0.0 { 0.0 } else { (v / d).round() * d })
+                                .collect::<Vec<_>>()
+                        })
+                        .collect();
                     let rb = ty.row_bytes(ncols as u64).unwrap() as usize;
                     for r in 0..nrows {
                         let wr = dequantize_to_vec(ty, &w[r * rb..(r + 1) * rb]).unwrap();
@@ -142,7 +215,7 @@ mod tests {
             &dev,
             GgmlType::Q5_1,
             &dev.stream.alloc_zeros(24).unwrap(),
-            &dev.stream.alloc_zeros(32).unwrap(),
+            &DeviceActs::new(&dev, 32).unwrap(),
             &mut dev.stream.alloc_zeros(1).unwrap(),
             32,
             1,
@@ -168,11 +241,13 @@ mod tests {
             let wd = dev.stream.clone_htod(&w).unwrap();
             for ntok in [1usize, 4] {
                 let xd = dev.stream.clone_htod(&vec![0.5f32; ntok * ncols]).unwrap();
+                let mut acts = DeviceActs::new(&dev, ntok * ncols).unwrap();
+                acts.quantize(&dev, &xd, ntok * ncols).unwrap();
                 let mut yd = dev.stream.alloc_zeros::<f32>(ntok * nrows).unwrap();
                 let mut times = Vec::new();
                 for i in 0..30 {
                     let start = dev.stream.record_event(timing).unwrap();
-                    mmvq(&dev, ty, &wd, &xd, &mut yd, ncols, nrows, ntok).unwrap();
+                    mmvq(&dev, ty, &wd, &acts, &mut yd, ncols, nrows, ntok).unwrap();
                     let end = dev.stream.record_event(timing).unwrap();
                     if i >= 5 {
                         times.push(f64::from(start.elapsed_ms(&end).unwrap()));
