@@ -247,7 +247,10 @@ pub fn chat(
                 prompt.clone()
             }
         };
-        let ids = t.encode(&new_text, fed.is_empty(), true)?;
+        // A template that writes the BOS text itself (Llama 3, Gemma) must not get a second
+        // BOS from the tokenizer.
+        let add_bos = fed.is_empty() && (bos.is_empty() || !prompt.starts_with(&bos));
+        let ids = t.encode(&new_text, add_bos, true)?;
         if cache.len() + ids.len() + 1 >= n_ctx {
             eprintln!("error: the conversation no longer fits the {n_ctx}-token context; start a new chat");
             messages.pop();
