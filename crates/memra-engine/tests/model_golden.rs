@@ -264,3 +264,11 @@ fn tiny_models_perplexity_within_2_percent() {
 fn real_models_perplexity_within_half_a_percent() {
     check_perplexity("perplexity.json", 0.005, |_| true);
 }
+
+/// The slower tier: `cargo test --release -p memra-engine --test model_golden -- --ignored`.
+#[test]
+#[ignore = "slow tier: the 1.5B model (1.1 GB, a few minutes on 2 cores)"]
+fn qwen_1_5b_greedy_and_perplexity() {
+    check_greedy("qwen2.5-coder-1.5b/greedy.json", |_| true);
+    check_perplexity("qwen2.5-coder-1.5b/perplexity.json", 0.005, |_| true);
+}
