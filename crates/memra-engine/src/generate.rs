@@ -114,13 +114,9 @@ pub fn generate(
     let start = Instant::now();
     let mut logits = Vec::new();
     let batch = config.batch.max(1);
-    for (i, chunk) in prompt.chunks(batch).enumerate() {
-        let last = (i + 1) * batch >= prompt.len();
-        let rows = LogitRows::Last;
-        let l = model.decoder.forward(cache, chunk, rows)?;
-        if last {
-            logits = l;
-        }
+    for chunk in prompt.chunks(batch) {
+        // Only the last chunk's logits are used; the others are computed for one row only.
+        logits = model.decoder.forward(cache, chunk, LogitRows::Last)?;
     }
     let prompt_time = start.elapsed();
     let start = Instant::now();
