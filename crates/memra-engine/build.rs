@@ -14,7 +14,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel families, one fatbin each.
-const KERNELS: [&str; 3] = ["norm", "probe", "quant_matvec"];
+const KERNELS: [&str; 6] = [
+    "attention",
+    "elementwise",
+    "norm",
+    "probe",
+    "quant_matvec",
+    "rope",
+];
 /// Architectures the kernels are written for.
 const ARCHES: [&str; 5] = ["120a", "100a", "90a", "89", "80"];
 const DEFAULT_ARCH: &str = "90a";

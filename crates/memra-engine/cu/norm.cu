@@ -17,3 +17,17 @@ extern "C" __global__ void rms_norm_f32(
         yr[i] = xr[i] * scale * weight[i];
     }
 }
+
+// rms_norm_f32 in place: each row of x (rows x n) normalized and times weight.
+extern "C" __global__ void rms_norm_inplace_f32(float* __restrict__ x, const float* __restrict__ weight, int n,
+                                                float eps) {
+    float* xr = x + (size_t)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        ss += xr[i] * xr[i];
+    }
+    const float scale = rsqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        xr[i] = xr[i] * scale * weight[i];
+    }
+}

@@ -155,22 +155,59 @@ extern "C" __global__ void mmvq_q6_k(const uint8_t* __restrict__ W, const int8_t
     warp_store(acc, ntok, Y, nrows, row);
 }
 
-// Q8_0: 34-byte blocks of 32 (d, 32 int8); one lane per block.
-extern "C" __global__ void mmvq_q8_0(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
-                                     const float* __restrict__ XD, const float* __restrict__ XS,
-                                     float* __restrict__ Y, int ncols, int nrows, int ntok) {
+// The 32-weight formats: one lane per block. Each decoder fills eight packed int8 words
+// (weights 0-15 in words 0-3, 16-31 in 4-7) and returns the block scale.
+enum Block32 { Q4_0, Q5_0, Q8_0 };
+
+template <Block32 K> struct Block32Traits;
+template <> struct Block32Traits<Q4_0> { static constexpr int bytes = 18; };
+template <> struct Block32Traits<Q5_0> { static constexpr int bytes = 22; };
+template <> struct Block32Traits<Q8_0> { static constexpr int bytes = 34; };
+
+// Bits k..k+3 of `bits` at bit 4 of each byte of a word.
+__device__ __forceinline__ int fifth_bits(uint32_t bits, int k) {
+    return (((bits >> k) & 1) << 4) | (((bits >> (k + 1)) & 1) << 12) | (((bits >> (k + 2)) & 1) << 20) |
+           (((bits >> (k + 3)) & 1) << 28);
+}
+
+template <Block32 K>
+__device__ __forceinline__ float decode_block32(const uint8_t* blk, int (&v)[8]) {
+    const float d = __half2float(__ushort_as_half(*(const uint16_t*)blk));
+    if (K == Q8_0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = load_int_b2(blk + 2 + 4 * i);
+    } else if (K == Q4_0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int w = load_int_b2(blk + 2 + 4 * i);
+            v[i] = __vsubss4(w & 0x0f0f0f0f, 0x08080808);
+            v[i + 4] = __vsubss4((w >> 4) & 0x0f0f0f0f, 0x08080808);
+        }
+    } else {
+        const uint32_t qh = (uint32_t)load_int_b2(blk + 2);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int w = load_int_b2(blk + 6 + 4 * i);
+            v[i] = __vsubss4((w & 0x0f0f0f0f) | fifth_bits(qh, 4 * i), 0x10101010);
+            v[i + 4] = __vsubss4(((w >> 4) & 0x0f0f0f0f) | fifth_bits(qh, 16 + 4 * i), 0x10101010);
+        }
+    }
+    return d;
+}
+
+template <Block32 K>
+__device__ __forceinline__ void mmvq_block32(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
+                                             const float* __restrict__ XD, float* __restrict__ Y, int ncols,
+                                             int nrows, int ntok) {
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= nrows) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int nb = ncols / 32;
-    const uint8_t* wrow = W + (size_t)row * nb * 34;
+    const uint8_t* wrow = W + (size_t)row * nb * Block32Traits<K>::bytes;
     float acc[MAX_TOKENS] = {0};
     for (int b = lane; b < nb; b += WARP_SIZE) {
-        const uint8_t* blk = wrow + (size_t)b * 34;
-        const float d = __half2float(__ushort_as_half(*(const uint16_t*)blk));
         int v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = load_int_b2(blk + 2 + 4 * i);
+        const float d = decode_block32<K>(wrow + (size_t)b * Block32Traits<K>::bytes, v);
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t >= ntok) break;
@@ -184,3 +221,14 @@ extern "C" __global__ void mmvq_q8_0(const uint8_t* __restrict__ W, const int8_t
     }
     warp_store(acc, ntok, Y, nrows, row);
 }
+
+#define MMVQ_BLOCK32(name, kind)                                                                        \
+    extern "C" __global__ void name(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,       \
+                                    const float* __restrict__ XD, const float* __restrict__ XS,         \
+                                    float* __restrict__ Y, int ncols, int nrows, int ntok) {            \
+        mmvq_block32<kind>(W, XQ, XD, Y, ncols, nrows, ntok);                                           \
+    }
+
+MMVQ_BLOCK32(mmvq_q4_0, Q4_0)
+MMVQ_BLOCK32(mmvq_q5_0, Q5_0)
+MMVQ_BLOCK32(mmvq_q8_0, Q8_0)

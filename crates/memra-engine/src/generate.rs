@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::models::{KvCache, LogitRows, Model, ModelError};
+use crate::backend::cuda::decoder::GpuDecoder;
+use crate::backend::cuda::CudaError;
+use crate::models::{Decoder, KvCache, LogitRows, Model, ModelError};
 use crate::sampler::{Sampler, SamplerConfig, SamplerError};
 use crate::tokenizer::IncrementalDecoder;
 
@@ -15,12 +17,87 @@ pub enum GenerateError {
     Sampler(#[from] SamplerError),
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt has {prompt} tokens; the context holds {n_ctx}")]
     PromptTooLong { prompt: usize, n_ctx: usize },
     #[error("{0}")]
     Invalid(String),
+}
+
+/// A model with its context, on some device: what generation drives.
+pub trait Runner {
+    fn n_ctx(&self) -> usize;
+    /// Positions already in the context.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forgets the context.
+    fn reset(&mut self);
+    /// Feeds tokens at the next positions; returns the logits of the last one.
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GenerateError>;
+}
+
+/// The CPU decoder with its KV cache; prompts go through in batches of `batch` tokens.
+pub struct CpuRunner<'m> {
+    pub decoder: &'m Decoder,
+    pub cache: KvCache,
+    pub batch: usize,
+}
+
+impl<'m> CpuRunner<'m> {
+    pub fn new(decoder: &'m Decoder, n_ctx: usize, batch: usize) -> CpuRunner<'m> {
+        CpuRunner {
+            decoder,
+            cache: decoder.new_cache(n_ctx),
+            batch: batch.max(1),
+        }
+    }
+}
+
+impl Runner for CpuRunner<'_> {
+    fn n_ctx(&self) -> usize {
+        self.cache.n_ctx()
+    }
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+    fn reset(&mut self) {
+        self.cache.truncate(0);
+    }
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GenerateError> {
+        let mut logits = Vec::new();
+        for chunk in tokens.chunks(self.batch) {
+            // Only the last chunk's logits are used; the others compute one row.
+            logits = self
+                .decoder
+                .forward(&mut self.cache, chunk, LogitRows::Last)?;
+        }
+        Ok(logits)
+    }
+}
+
+/// The GPU decoder: one token per step for now (prompts included).
+impl Runner for GpuDecoder<'_> {
+    fn n_ctx(&self) -> usize {
+        GpuDecoder::n_ctx(self)
+    }
+    fn len(&self) -> usize {
+        GpuDecoder::len(self)
+    }
+    fn reset(&mut self) {
+        GpuDecoder::reset(self);
+    }
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GenerateError> {
+        let mut logits = Vec::new();
+        for &t in tokens {
+            logits = self.forward_token(t)?;
+        }
+        Ok(logits)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -30,8 +107,6 @@ pub struct GenerateConfig {
     /// Generation stops before any of these strings; they are not printed.
     pub stop: Vec<String>,
     pub sampler: SamplerConfig,
-    /// Prompt tokens per forward pass.
-    pub batch: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,11 +166,11 @@ impl StopFilter<'_> {
     }
 }
 
-/// Feeds `prompt` (after what `cache` holds) and samples up to `n_predict` tokens, giving
-/// each piece of text to `on_text` as soon as it is complete.
+/// Feeds `prompt` (after what the runner holds) and samples up to `n_predict` tokens,
+/// giving each piece of text to `on_text` as soon as it is complete.
 pub fn generate(
     model: &Model,
-    cache: &mut KvCache,
+    runner: &mut dyn Runner,
     prompt: &[u32],
     config: &GenerateConfig,
     mut on_text: impl FnMut(&str),
@@ -103,21 +178,16 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(GenerateError::EmptyPrompt);
     }
-    if cache.len() + prompt.len() > cache.n_ctx() {
+    if runner.len() + prompt.len() > runner.n_ctx() {
         return Err(GenerateError::PromptTooLong {
-            prompt: cache.len() + prompt.len(),
-            n_ctx: cache.n_ctx(),
+            prompt: runner.len() + prompt.len(),
+            n_ctx: runner.n_ctx(),
         });
     }
     let mut sampler = Sampler::new(config.sampler.clone())?;
     prompt.iter().for_each(|&t| sampler.accept(t));
     let start = Instant::now();
-    let mut logits = Vec::new();
-    let batch = config.batch.max(1);
-    for chunk in prompt.chunks(batch) {
-        // Only the last chunk's logits are used; the others are computed for one row only.
-        logits = model.decoder.forward(cache, chunk, LogitRows::Last)?;
-    }
+    let mut logits = runner.feed(prompt)?;
     let prompt_time = start.elapsed();
     let start = Instant::now();
     let t = &model.tokenizer;
@@ -145,11 +215,11 @@ pub fn generate(
         if generated.len() == config.n_predict {
             break;
         }
-        if cache.len() >= cache.n_ctx() {
+        if runner.len() >= runner.n_ctx() {
             stop = StopReason::ContextFull;
             break;
         }
-        logits = model.decoder.forward(cache, &[id], LogitRows::Last)?;
+        logits = runner.feed(&[id])?;
     }
     if stop != StopReason::StopString {
         let (text, _) = filter.push(&decoder.finish());

@@ -4,12 +4,10 @@
 
 use std::time::Instant;
 
+use crate::generate::{load, runner, Device, ModelArgs};
+use crate::inspect::human_bytes;
 use anyhow::{bail, Result};
 use clap::ValueEnum;
-use memra_engine::models::LogitRows;
-
-use crate::generate::{load, ModelArgs};
-use crate::inspect::human_bytes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -58,19 +56,19 @@ pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
                 let n_ctx = d + n + 1;
                 let depth_tokens = tokens(d, n_vocab, 1);
                 let test_tokens = tokens(n, n_vocab, 2);
-                let once = || -> Result<f64> {
-                    let mut cache = model.decoder.new_cache(n_ctx);
-                    for chunk in depth_tokens.chunks(512) {
-                        model.decoder.forward(&mut cache, chunk, LogitRows::Last)?;
+                // One context per test, allocated once (a GPU context holds the weights).
+                let mut r = runner(model_args, &model, n_ctx)?;
+                let mut once = || -> Result<f64> {
+                    r.reset();
+                    if !depth_tokens.is_empty() {
+                        r.feed(&depth_tokens)?;
                     }
                     let start = Instant::now();
                     if kind == "pp" {
-                        model
-                            .decoder
-                            .forward(&mut cache, &test_tokens, LogitRows::Last)?;
+                        r.feed(&test_tokens)?;
                     } else {
                         for &t in &test_tokens {
-                            model.decoder.forward(&mut cache, &[t], LogitRows::Last)?;
+                            r.feed(&[t])?;
                         }
                     }
                     Ok(n as f64 / start.elapsed().as_secs_f64())
@@ -97,6 +95,10 @@ pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
             }
         }
     }
+    let backend = match model_args.device {
+        Device::Cpu => "CPU",
+        Device::Cuda => "CUDA",
+    };
     let size = human_bytes(model.file.file_size());
     let params = format!("{:.2} B", model.n_params as f64 / 1e9);
     let threads = rayon::current_num_threads();
@@ -106,7 +108,7 @@ pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
             println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
             for r in &rows {
                 println!(
-                    "| {} | {size} | {params} | CPU | {threads} | {} | {:.2} ± {:.2} |",
+                    "| {} | {size} | {params} | {backend} | {threads} | {} | {:.2} ± {:.2} |",
                     model.name, r.test, r.mean, r.std
                 );
             }
@@ -117,7 +119,7 @@ pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
                 .map(|r| {
                     serde_json::json!({
                         "model": model.name, "file_size": model.file.file_size(),
-                        "n_params": model.n_params, "backend": "CPU", "threads": threads,
+                        "n_params": model.n_params, "backend": backend, "threads": threads,
                         "test": r.test, "avg_ts": r.mean, "stddev_ts": r.std, "samples_ts": r.samples,
                     })
                 })

@@ -8,7 +8,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use memra_engine::generate::{generate, perplexity, GenerateConfig, GenerateStats};
+use memra_engine::backend::cuda::decoder::GpuDecoder;
+use memra_engine::generate::{
+    generate, perplexity, CpuRunner, GenerateConfig, GenerateStats, Runner,
+};
 use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
 use memra_engine::tokenizer::template::{ChatInput, ChatTemplate};
@@ -93,11 +96,8 @@ const PROMPT_BATCH: usize = 512;
 /// Loads a model on the chosen device with a progress bar, reading the whole file once so
 /// the first tokens do not wait on page faults.
 pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
-    if args.device == Device::Cuda {
-        if memra_engine::backend::cuda::built_arch().is_none() {
-            bail!("{}", memra_engine::backend::cuda::CudaError::NoKernels);
-        }
-        bail!("--device cuda: running models on the GPU is not implemented yet (only `memra probe` is); use --device cpu");
+    if args.device == Device::Cuda && memra_engine::backend::cuda::built_arch().is_none() {
+        bail!("{}", memra_engine::backend::cuda::CudaError::NoKernels);
     }
     if let Some(t) = args.threads {
         if t == 0 {
@@ -143,6 +143,25 @@ pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
     Ok((model, n_ctx))
 }
 
+/// The model on the chosen device, with a context of `n_ctx` positions.
+pub fn runner<'m>(
+    args: &ModelArgs,
+    model: &'m Model,
+    n_ctx: usize,
+) -> Result<Box<dyn Runner + 'm>> {
+    Ok(match args.device {
+        Device::Cpu => Box::new(CpuRunner::new(&model.decoder, n_ctx, PROMPT_BATCH)),
+        Device::Cuda => {
+            let gpu = GpuDecoder::new(0, &model.decoder, n_ctx)?;
+            eprintln!(
+                "gpu: {} MiB of device memory for weights, KV cache and buffers",
+                gpu.device_bytes >> 20
+            );
+            Box::new(gpu)
+        }
+    })
+}
+
 fn report(stats: &GenerateStats) {
     let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
     eprintln!(
@@ -183,14 +202,13 @@ pub fn run(
             ids.len()
         );
     }
-    let mut cache = model.decoder.new_cache(n_ctx);
+    let mut runner = runner(args, &model, n_ctx)?;
     let config = GenerateConfig {
         n_predict,
         stop: sampling.stop.clone(),
         sampler: sampling.config(),
-        batch: PROMPT_BATCH,
     };
-    let stats = generate(&model, &mut cache, &ids, &config, print_flush)?;
+    let stats = generate(&model, runner.as_mut(), &ids, &config, print_flush)?;
     print_flush("\n");
     report(&stats);
     Ok(())
@@ -212,7 +230,7 @@ pub fn chat(
     if let Some(s) = system {
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
-    let mut cache = model.decoder.new_cache(n_ctx);
+    let mut runner = runner(args, &model, n_ctx)?;
     // The prompt text already in the cache, to feed only what each turn adds.
     let mut fed = String::new();
     let stdin = std::io::stdin();
@@ -243,7 +261,7 @@ pub fn chat(
         let new_text = match prompt.strip_prefix(fed.as_str()) {
             Some(rest) if !fed.is_empty() => rest.to_string(),
             _ => {
-                cache.truncate(0);
+                runner.reset();
                 prompt.clone()
             }
         };
@@ -251,7 +269,7 @@ pub fn chat(
         // BOS from the tokenizer.
         let add_bos = fed.is_empty() && (bos.is_empty() || !prompt.starts_with(&bos));
         let ids = t.encode(&new_text, add_bos, true)?;
-        if cache.len() + ids.len() + 1 >= n_ctx {
+        if runner.len() + ids.len() + 1 >= n_ctx {
             eprintln!("error: the conversation no longer fits the {n_ctx}-token context; start a new chat");
             messages.pop();
             continue;
@@ -260,10 +278,9 @@ pub fn chat(
             n_predict,
             stop: sampling.stop.clone(),
             sampler: sampling.config(),
-            batch: PROMPT_BATCH,
         };
         let mut reply = String::new();
-        let stats = generate(&model, &mut cache, &ids, &config, |s| {
+        let stats = generate(&model, runner.as_mut(), &ids, &config, |s| {
             reply.push_str(s);
             print_flush(s);
         })?;
@@ -286,6 +303,9 @@ pub fn run_perplexity(args: &ModelArgs, file: &Path, chunks: Option<usize>) -> R
         text.pop();
     }
     let n_ctx = args.ctx.unwrap_or(512);
+    if args.device == Device::Cuda {
+        bail!("--device cuda: perplexity needs prompt batches on the GPU, which are not implemented yet; use --device cpu");
+    }
     let (model, _) = load(args)?;
     let start = Instant::now();
     let result = perplexity(&model, &text, n_ctx, chunks, |c, n, ppl| {

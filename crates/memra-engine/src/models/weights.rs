@@ -117,6 +117,12 @@ impl Linear {
         }
     }
 
+    /// The rows' bytes, contiguous in the file.
+    pub fn bytes(&self) -> &[u8] {
+        let start = self.first_row * self.row_bytes;
+        &self.tensor.bytes()[start..start + self.n_out * self.row_bytes]
+    }
+
     /// Row `r` dequantized (embedding lookup).
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
         dequantize_to_vec(self.ty(), self.row(r)).expect("checked at load")

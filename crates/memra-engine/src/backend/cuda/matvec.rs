@@ -17,6 +17,8 @@ pub fn kernel_for(ty: GgmlType) -> Option<&'static str> {
         GgmlType::Q4K => Some("mmvq_q4_k"),
         GgmlType::Q6K => Some("mmvq_q6_k"),
         GgmlType::Q8_0 => Some("mmvq_q8_0"),
+        GgmlType::Q4_0 => Some("mmvq_q4_0"),
+        GgmlType::Q5_0 => Some("mmvq_q5_0"),
         _ => None,
     }
 }
@@ -159,7 +161,13 @@ mod tests {
     fn gpu_matvec_matches_the_cpu_reference() {
         let dev = CudaDevice::new(0).expect("GPU");
         let mut seed = 11u64;
-        for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
+        for ty in [
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q5_0,
+        ] {
             for (ncols, nrows) in [(256usize, 1usize), (2816, 37), (4096, 130)] {
                 let w = random_weights(ty, ncols, nrows, &mut seed);
                 for ntok in [1usize, 3, 8] {

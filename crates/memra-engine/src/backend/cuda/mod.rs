@@ -6,7 +6,9 @@
 //! This is the start of the backend: device bring-up, the first kernel families and
 //! `memra probe`. Model execution on the GPU is not here yet.
 
+pub mod decoder;
 pub mod matvec;
+pub mod ops;
 pub mod probe;
 
 use std::sync::Arc;
