@@ -647,3 +647,37 @@ fn chat_answers_turns_until_exit() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no chat template"));
 }
+
+#[test]
+fn gpu_commands_fail_cleanly_without_a_gpu() {
+    // On a machine without GPU (CI) these must say so and exit 1, never panic; on a GPU
+    // machine they succeed.
+    let model = tiny_model("tiny-llama.gguf");
+    for args in [
+        vec!["probe"],
+        vec![
+            "bench",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "0",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "--device",
+            "cuda",
+        ],
+    ] {
+        let out = memra(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        match out.status.code() {
+            Some(0) => {}
+            Some(1) => assert!(
+                err.lines().last().is_some_and(|l| l.starts_with("error: ")),
+                "{args:?}: {err}"
+            ),
+            other => panic!("{args:?}: exit {other:?}: {err}"),
+        }
+    }
+}

@@ -43,7 +43,9 @@ pub enum CudaError {
          `export MEMRA_NVCC=$(scripts/setup-cuda.sh)` and rebuild, or use --device cpu"
     )]
     NoKernels,
-    #[error("cannot use the CUDA driver: {0} (is an NVIDIA driver installed and a GPU visible?)")]
+    #[error("no NVIDIA driver found (libcuda.so.1 cannot be loaded); use --device cpu")]
+    NoDriver,
+    #[error("cannot use the CUDA driver: {0} (is a GPU visible? otherwise use --device cpu)")]
     Driver(#[from] DriverError),
     #[error(
         "the kernels were built for sm_{built} but GPU {ordinal} ({name}) is compute capability \
@@ -93,6 +95,11 @@ impl CudaDevice {
     /// Opens GPU `ordinal` and loads the kernels, after checking they were built for it.
     pub fn new(ordinal: usize) -> Result<CudaDevice, CudaError> {
         let built = built_arch().ok_or(CudaError::NoKernels)?;
+        // cudarc panics when it cannot load the driver library; ask first.
+        // SAFETY: only probes whether the library can be opened.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
         let ctx = CudaContext::new(ordinal)?;
         let name = ctx.name()?;
         let (major, minor) = ctx.compute_capability()?;
