@@ -85,13 +85,16 @@ impl<'m> GpuDecoder<'m> {
     ) -> Result<GpuDecoder<'m>, CudaError> {
         let dev = CudaDevice::new(ordinal)?;
         let hp = &model.hp;
-        let weight_bytes: usize = model
-            .layers
-            .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo])
-            .map(|w| w.bytes().len())
-            .sum::<usize>()
-            + model.output.bytes().len();
+        let mut weight_bytes = model.output.bytes().len();
+        for l in &model.layers {
+            weight_bytes += [&l.wq, &l.wk, &l.wv, &l.wo]
+                .iter()
+                .map(|w| w.bytes().len())
+                .sum::<usize>();
+            if let Ffn::Dense { gate, up, down } = &l.ffn {
+                weight_bytes += gate.bytes().len() + up.bytes().len() + down.bytes().len();
+            }
+        }
         let cache_bytes = 4 * n_ctx * hp.n_layer * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v);
         let (free, _) = dev.ctx.mem_get_info()?;
         if weight_bytes + cache_bytes > free {
