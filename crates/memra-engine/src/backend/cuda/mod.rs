@@ -89,6 +89,7 @@ pub struct CudaDevice {
     pub name: String,
     pub compute_capability: (i32, i32),
     modules: Vec<(&'static str, Arc<CudaModule>)>,
+    functions: std::sync::Mutex<std::collections::HashMap<(String, String), CudaFunction>>,
 }
 
 impl CudaDevice {
@@ -126,20 +127,30 @@ impl CudaDevice {
             name,
             compute_capability: (major, minor),
             modules,
+            functions: Default::default(),
         })
     }
 
     /// A kernel of a family (`norm`, `rms_norm_f32`).
+    /// Looked up once and cached: `cuModuleGetFunction` on every launch was a large share
+    /// of the decode step's host time.
     pub fn function(&self, family: &str, kernel: &str) -> Result<CudaFunction, CudaError> {
+        let key = (family.to_string(), kernel.to_string());
+        let mut cache = self.functions.lock().expect("function cache lock");
+        if let Some(f) = cache.get(&key) {
+            return Ok(f.clone());
+        }
         let module = self
             .modules
             .iter()
             .find(|(f, _)| *f == family)
             .map(|(_, m)| m)
             .ok_or_else(|| CudaError::MissingKernel(format!("{family}/{kernel}")))?;
-        module
+        let f = module
             .load_function(kernel)
-            .map_err(|e| CudaError::MissingKernel(format!("{family}/{kernel} ({e})")))
+            .map_err(|e| CudaError::MissingKernel(format!("{family}/{kernel} ({e})")))?;
+        cache.insert(key, f.clone());
+        Ok(f)
     }
 }
 
