@@ -1,11 +1,6 @@
-// Element-wise kernels: residual adds, bias adds, gated activations.
+// Element-wise kernels: bias adds and gated activations (residual adds are fused into
+// add_norm_quantize in quant_matvec.cu).
 #include "common.cuh"
-
-// y[i] += x[i]
-extern "C" __global__ void add_f32(float* __restrict__ y, const float* __restrict__ x, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] += x[i];
-}
 
 // y[r][i] += b[i] for rows of length n (total elements `total`).
 extern "C" __global__ void add_bias_f32(float* __restrict__ y, const float* __restrict__ b, int n, int total) {
@@ -30,10 +25,4 @@ extern "C" __global__ void geglu_f32(float* __restrict__ g, const float* __restr
         const float c = 0.7978845608f * x * (1.0f + 0.044715f * x * x);
         g[i] = 0.5f * x * (1.0f + tanhf(c)) * u[i];
     }
-}
-
-// x[i] *= s
-extern "C" __global__ void scale_f32(float* __restrict__ x, float s, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] *= s;
 }

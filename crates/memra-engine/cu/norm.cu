@@ -1,24 +1,8 @@
 // Normalization kernels.
 #include "common.cuh"
 
-// RMS norm of each row of x (rows x n), times weight (n), into y; one block per row.
-// Matches the CPU reference: y = x / sqrt(mean(x^2) + eps) * w, accumulated in f32.
-extern "C" __global__ void rms_norm_f32(
-    const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ y,
-    int n, float eps) {
-    const float* xr = x + (size_t)blockIdx.x * n;
-    float* yr = y + (size_t)blockIdx.x * n;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        ss += xr[i] * xr[i];
-    }
-    const float scale = rsqrtf(block_sum(ss) / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        yr[i] = xr[i] * scale * weight[i];
-    }
-}
-
-// rms_norm_f32 in place: each row of x (rows x n) normalized and times weight.
+// RMS norm of each row of x (rows x n), times weight (n), in place; one block per row.
+// Matches the CPU reference: x / sqrt(mean(x^2) + eps) * w, accumulated in f32.
 extern "C" __global__ void rms_norm_inplace_f32(float* __restrict__ x, const float* __restrict__ weight, int n,
                                                 float eps) {
     float* xr = x + (size_t)blockIdx.x * n;

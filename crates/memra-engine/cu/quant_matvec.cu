@@ -232,3 +232,38 @@ __device__ __forceinline__ void mmvq_block32(const uint8_t* __restrict__ W, cons
 MMVQ_BLOCK32(mmvq_q4_0, Q4_0)
 MMVQ_BLOCK32(mmvq_q5_0, Q5_0)
 MMVQ_BLOCK32(mmvq_q8_0, Q8_0)
+
+// The residual step and the next matvec's input in one launch: x += o (o may be null),
+// then the RMS norm of x times w, quantized to int8 per 32 as quantize_act_q8 does.
+// One block; x has n elements (a multiple of 32). Replaces add + rms_norm + quantize.
+extern "C" __global__ void add_norm_quantize(float* __restrict__ x, const float* __restrict__ o,
+                                             const float* __restrict__ w, int8_t* __restrict__ q,
+                                             float* __restrict__ d, float* __restrict__ s, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[i];
+        if (o) {
+            v += o[i];
+            x[i] = v;
+        }
+        ss += v * v;
+    }
+    const float scale = rsqrtf(block_sum(ss) / n + eps);
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int n_warps = blockDim.x / WARP_SIZE;
+    for (int c = warp; c < n / 32; c += n_warps) {
+        const int i = c * 32 + lane;
+        const float v = x[i] * scale * w[i];
+        float amax = fabsf(v);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, off));
+        const float dq = amax / 127.0f;
+        const int qi = amax == 0.0f ? 0 : (int)roundf(v / dq);
+        const float sum = warp_sum((float)qi);
+        q[i] = (int8_t)qi;
+        if (lane == 0) {
+            d[c] = dq;
+            s[c] = dq * sum;
+        }
+    }
+}

@@ -46,7 +46,6 @@ struct GpuLayer {
 /// Per-step buffers, allocated once.
 struct Scratch {
     x: CudaSlice<f32>,
-    h: CudaSlice<f32>,
     q: CudaSlice<f32>,
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
@@ -178,7 +177,6 @@ impl<'m> GpuDecoder<'m> {
         let s = &dev.stream;
         let scratch = Scratch {
             x: s.alloc_zeros(e)?,
-            h: s.alloc_zeros(e)?,
             q: s.alloc_zeros(q_len)?,
             k: s.alloc_zeros(hp.n_head_kv * hp.head_dim_k)?,
             v: s.alloc_zeros(hp.n_head_kv * hp.head_dim_v)?,
@@ -265,10 +263,18 @@ impl<'m> GpuDecoder<'m> {
             dv,
             scale: m.attn_scale,
         };
+        // The output of the previous block, still to be added to the residual stream: each
+        // add goes into the launch that normalizes and quantizes the next input.
+        let mut pending = false;
         for (li, l) in self.layers.iter().enumerate() {
-            ops::rms_norm(dev, &s.x, &l.attn_norm, &mut s.h, 1, hp.rms_eps)?;
-            Self::matvec(dev, &l.wq, &mut s.acts, &s.h, &mut s.q)?;
-            // k and v read the same quantized activations.
+            s.acts.add_norm_quantize(
+                dev,
+                &mut s.x,
+                pending.then_some(&s.o),
+                &l.attn_norm,
+                hp.rms_eps,
+            )?;
+            mmvq(dev, l.wq.ty, &l.wq.w, &s.acts, &mut s.q, e, l.wq.n_out, 1)?;
             mmvq(dev, l.wk.ty, &l.wk.w, &s.acts, &mut s.k, e, l.wk.n_out, 1)?;
             mmvq(dev, l.wv.ty, &l.wv.w, &s.acts, &mut s.v, e, l.wv.n_out, 1)?;
             if let Some(b) = &l.bq {
@@ -311,9 +317,18 @@ impl<'m> GpuDecoder<'m> {
             if let Some(w) = &l.post_attn_norm {
                 ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
             }
-            ops::add(dev, &mut s.x, &s.o, e)?;
-            ops::rms_norm(dev, &s.x, &l.ffn_norm, &mut s.h, 1, hp.rms_eps)?;
-            Self::matvec(dev, &l.gate, &mut s.acts, &s.h, &mut s.g)?;
+            s.acts
+                .add_norm_quantize(dev, &mut s.x, Some(&s.o), &l.ffn_norm, hp.rms_eps)?;
+            mmvq(
+                dev,
+                l.gate.ty,
+                &l.gate.w,
+                &s.acts,
+                &mut s.g,
+                e,
+                l.gate.n_out,
+                1,
+            )?;
             mmvq(dev, l.up.ty, &l.up.w, &s.acts, &mut s.u, e, l.up.n_out, 1)?;
             ops::gated(
                 dev,
@@ -326,10 +341,26 @@ impl<'m> GpuDecoder<'m> {
             if let Some(w) = &l.post_ffn_norm {
                 ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
             }
-            ops::add(dev, &mut s.x, &s.o, e)?;
+            pending = true;
         }
-        ops::rms_norm(dev, &s.x, &self.output_norm, &mut s.h, 1, hp.rms_eps)?;
-        Self::matvec(dev, &self.output, &mut s.acts, &s.h, &mut s.logits)?;
+        s.acts.add_norm_quantize(
+            dev,
+            &mut s.x,
+            pending.then_some(&s.o),
+            &self.output_norm,
+            hp.rms_eps,
+        )?;
+        let out = &self.output;
+        mmvq(
+            dev,
+            out.ty,
+            &out.w,
+            &s.acts,
+            &mut s.logits,
+            out.n_in,
+            out.n_out,
+            1,
+        )?;
         let mut logits = dev.stream.clone_dtoh(&s.logits)?;
         if let Some(cap) = m.final_logit_softcap {
             logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());

@@ -81,6 +81,50 @@ impl DeviceActs {
     }
 }
 
+impl DeviceActs {
+    /// `x += o` (when given), then quantizes `rms_norm(x) * w` into this buffer: the
+    /// residual add, the norm and the quantization of a decode step in one launch.
+    pub fn add_norm_quantize(
+        &mut self,
+        dev: &CudaDevice,
+        x: &mut CudaSlice<f32>,
+        o: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let n = w.len();
+        if n % 32 != 0 || x.len() < n || o.is_some_and(|o| o.len() < n) || self.q.len() < n {
+            return Err(CudaError::Invalid(format!(
+                "add_norm_quantize: {n} elements"
+            )));
+        }
+        let f = dev.function("quant_matvec", "add_norm_quantize")?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n_i, null) = (n as i32, 0u64);
+        // SAFETY: n elements of x, o and w; n of q and n / 32 of d and s (checked above).
+        unsafe {
+            let mut b = dev.stream.launch_builder(&f);
+            b.arg(x);
+            match o {
+                Some(o) => b.arg(o),
+                None => b.arg(&null),
+            };
+            b.arg(w)
+                .arg(&mut self.q)
+                .arg(&mut self.d)
+                .arg(&mut self.s)
+                .arg(&n_i)
+                .arg(&eps);
+            b.launch(cfg)?;
+        }
+        Ok(())
+    }
+}
+
 /// `y[t][r] = w[r] . x[t]` for `ntok` tokens: `w` is `nrows` rows of `ncols` weights of
 /// type `ty` (16-byte aligned, as device allocations are), `x` holds `ntok x ncols`
 /// quantized activations, `y` is `ntok x nrows` f32.

@@ -23,41 +23,6 @@ fn check(ok: bool, what: &str) -> Result<(), CudaError> {
     }
 }
 
-/// `y = rms_norm(x) * w` for `rows` rows of `w.len()`.
-pub fn rms_norm(
-    dev: &CudaDevice,
-    x: &CudaSlice<f32>,
-    w: &CudaSlice<f32>,
-    y: &mut CudaSlice<f32>,
-    rows: usize,
-    eps: f32,
-) -> Result<(), CudaError> {
-    let n = w.len();
-    check(
-        x.len() >= rows * n && y.len() >= rows * n,
-        "rms_norm: buffers too small",
-    )?;
-    let f = dev.function("norm", "rms_norm_f32")?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let n_i = n as i32;
-    // SAFETY: rows x n elements of x and y, n of w (checked above).
-    unsafe {
-        dev.stream
-            .launch_builder(&f)
-            .arg(x)
-            .arg(w)
-            .arg(y)
-            .arg(&n_i)
-            .arg(&eps)
-            .launch(cfg)?;
-    }
-    Ok(())
-}
-
 /// `x = rms_norm(x) * w` in place, for `rows` rows of `w.len()`.
 pub fn rms_norm_inplace(
     dev: &CudaDevice,
@@ -84,28 +49,6 @@ pub fn rms_norm_inplace(
             .arg(&n_i)
             .arg(&eps)
             .launch(cfg)?;
-    }
-    Ok(())
-}
-
-/// `y[i] += x[i]` for the first `n` elements.
-pub fn add(
-    dev: &CudaDevice,
-    y: &mut CudaSlice<f32>,
-    x: &CudaSlice<f32>,
-    n: usize,
-) -> Result<(), CudaError> {
-    check(y.len() >= n && x.len() >= n, "add: buffers too small")?;
-    let f = dev.function("elementwise", "add_f32")?;
-    let n_i = n as i32;
-    // SAFETY: n elements of both (checked).
-    unsafe {
-        dev.stream
-            .launch_builder(&f)
-            .arg(y)
-            .arg(x)
-            .arg(&n_i)
-            .launch(grid_1d(n))?;
     }
     Ok(())
 }
@@ -150,23 +93,6 @@ pub fn gated(
             .launch_builder(&f)
             .arg(g)
             .arg(u)
-            .arg(&n_i)
-            .launch(grid_1d(n))?;
-    }
-    Ok(())
-}
-
-/// `x *= s` over `n` elements.
-pub fn scale(dev: &CudaDevice, x: &mut CudaSlice<f32>, s: f32, n: usize) -> Result<(), CudaError> {
-    check(x.len() >= n, "scale: buffer too small")?;
-    let f = dev.function("elementwise", "scale_f32")?;
-    let n_i = n as i32;
-    // SAFETY: n elements (checked).
-    unsafe {
-        dev.stream
-            .launch_builder(&f)
-            .arg(x)
-            .arg(&s)
             .arg(&n_i)
             .launch(grid_1d(n))?;
     }
