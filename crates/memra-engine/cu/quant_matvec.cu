@@ -267,3 +267,31 @@ extern "C" __global__ void add_norm_quantize(float* __restrict__ x, const float*
         }
     }
 }
+
+// The gated FFN activation and the down projection's input in one launch: act(g) * u,
+// quantized to int8 per 32 (one warp per block of 32); `gelu` picks GELU (tanh) over SiLU.
+extern "C" __global__ void gated_quantize(const float* __restrict__ g, const float* __restrict__ u,
+                                          int8_t* __restrict__ q, float* __restrict__ d,
+                                          float* __restrict__ s, int n, int gelu) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = 0.0f;
+    if (i < n) {
+        const float x = g[i];
+        const float a = gelu ? 0.5f * x * (1.0f + tanhf(0.7978845608f * x * (1.0f + 0.044715f * x * x)))
+                             : x / (1.0f + expf(-x));
+        v = a * u[i];
+    }
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, off));
+    const float dq = amax / 127.0f;
+    const int qi = amax == 0.0f ? 0 : (int)roundf(v / dq);
+    const float sum = warp_sum((float)qi);
+    if (i < n) {
+        q[i] = (int8_t)qi;
+        if (i % 32 == 0) {
+            d[i / 32] = dq;
+            s[i / 32] = dq * sum;
+        }
+    }
+}

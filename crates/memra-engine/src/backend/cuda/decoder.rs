@@ -292,15 +292,16 @@ impl<'m> GpuDecoder<'m> {
             if let Some(w) = &l.k_norm {
                 ops::rms_norm_inplace(dev, &mut s.k, w, hp.n_head_kv, hp.rms_eps)?;
             }
-            ops::rope(dev, &mut s.q, hp.n_head, dk, &l.rope, pos)?;
-            ops::rope(dev, &mut s.k, hp.n_head_kv, dk, &l.rope, pos)?;
-            dev.stream.memcpy_dtod(
+            ops::rope_qk_append(
+                dev,
+                &mut s.q,
                 &s.k,
-                &mut self.k_cache[li].slice_mut(pos * kr..(pos + 1) * kr),
-            )?;
-            dev.stream.memcpy_dtod(
                 &s.v,
-                &mut self.v_cache[li].slice_mut(pos * vr..(pos + 1) * vr),
+                &mut self.k_cache[li],
+                &mut self.v_cache[li],
+                &shape,
+                &l.rope,
+                pos,
             )?;
             let first = l.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             ops::attention_decode(
@@ -330,14 +331,12 @@ impl<'m> GpuDecoder<'m> {
                 1,
             )?;
             mmvq(dev, l.up.ty, &l.up.w, &s.acts, &mut s.u, e, l.up.n_out, 1)?;
-            ops::gated(
-                dev,
-                &mut s.g,
-                &s.u,
-                l.gate.n_out,
-                m.activation == Activation::GeluTanh,
+            let gelu = m.activation == Activation::GeluTanh;
+            s.acts.gated_quantize(dev, &s.g, &s.u, l.gate.n_out, gelu)?;
+            let down = &l.down;
+            mmvq(
+                dev, down.ty, &down.w, &s.acts, &mut s.o, down.n_in, down.n_out, 1,
             )?;
-            Self::matvec(dev, &l.down, &mut s.acts, &s.g, &mut s.o)?;
             if let Some(w) = &l.post_ffn_norm {
                 ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
             }

@@ -82,6 +82,43 @@ impl DeviceActs {
 }
 
 impl DeviceActs {
+    /// Quantizes `act(g) * u` over `n` elements (SiLU, or GELU with `gelu`): the gated FFN
+    /// activation and the down projection's input quantization in one launch.
+    pub fn gated_quantize(
+        &mut self,
+        dev: &CudaDevice,
+        g: &CudaSlice<f32>,
+        u: &CudaSlice<f32>,
+        n: usize,
+        gelu: bool,
+    ) -> Result<(), CudaError> {
+        if n % 32 != 0 || g.len() < n || u.len() < n || self.q.len() < n {
+            return Err(CudaError::Invalid(format!("gated_quantize: {n} elements")));
+        }
+        let f = dev.function("quant_matvec", "gated_quantize")?;
+        const THREADS: u32 = 256;
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n_i, gelu_i) = (n as i32, i32::from(gelu));
+        // SAFETY: n elements of g, u and q; n / 32 of d and s (checked above).
+        unsafe {
+            dev.stream
+                .launch_builder(&f)
+                .arg(g)
+                .arg(u)
+                .arg(&mut self.q)
+                .arg(&mut self.d)
+                .arg(&mut self.s)
+                .arg(&n_i)
+                .arg(&gelu_i)
+                .launch(cfg)?;
+        }
+        Ok(())
+    }
+
     /// `x += o` (when given), then quantizes `rms_norm(x) * w` into this buffer: the
     /// residual add, the norm and the quantization of a decode step in one launch.
     pub fn add_norm_quantize(

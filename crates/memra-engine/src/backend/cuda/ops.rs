@@ -76,29 +76,6 @@ pub fn add_bias(
     Ok(())
 }
 
-/// `g = act(g) * u` over `n` elements; `gelu` picks GELU (tanh) over SiLU.
-pub fn gated(
-    dev: &CudaDevice,
-    g: &mut CudaSlice<f32>,
-    u: &CudaSlice<f32>,
-    n: usize,
-    gelu: bool,
-) -> Result<(), CudaError> {
-    check(g.len() >= n && u.len() >= n, "gated: buffers too small")?;
-    let f = dev.function("elementwise", if gelu { "geglu_f32" } else { "swiglu_f32" })?;
-    let n_i = n as i32;
-    // SAFETY: n elements of both (checked).
-    unsafe {
-        dev.stream
-            .launch_builder(&f)
-            .arg(g)
-            .arg(u)
-            .arg(&n_i)
-            .launch(grid_1d(n))?;
-    }
-    Ok(())
-}
-
 /// Rotary embedding parameters on the device.
 pub struct DeviceRope {
     pub halves: bool,
@@ -108,39 +85,46 @@ pub struct DeviceRope {
     pub freq_factors: Option<CudaSlice<f32>>,
 }
 
-/// Rotates `heads` heads of `head_dim` in `x` for position `pos`.
-pub fn rope(
+/// Decode step: RoPE on `q` (in place) and `k`, then `k` and `v` into their cache rows at
+/// `pos`. `q`: n_head x dk, `k`: n_head_kv x dk, `v`: n_head_kv x dv; the caches hold
+/// n_head_kv x dk (dv) per position.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_qk_append(
     dev: &CudaDevice,
-    x: &mut CudaSlice<f32>,
-    heads: usize,
-    head_dim: usize,
+    q: &mut CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    k_cache: &mut CudaSlice<f32>,
+    v_cache: &mut CudaSlice<f32>,
+    shape: &DecodeAttention,
     r: &DeviceRope,
     pos: usize,
 ) -> Result<(), CudaError> {
+    let (nh, nkv, dk, dv) = (shape.n_head, shape.n_head_kv, shape.dk, shape.dv);
     check(
-        x.len() >= heads * head_dim && r.n_dims <= head_dim,
-        "rope: shapes",
+        q.len() >= nh * dk
+            && k.len() >= nkv * dk
+            && v.len() >= nkv * dv
+            && k_cache.len() >= (pos + 1) * nkv * dk
+            && v_cache.len() >= (pos + 1) * nkv * dv
+            && r.n_dims <= dk
+            && r.n_dims % 2 == 0,
+        "rope_qk_append: shapes",
     )?;
-    let f = dev.function("rope", "rope_f32")?;
-    let (h, hd, nd, p, halves) = (
-        heads as i32,
-        head_dim as i32,
-        r.n_dims as i32,
-        pos as i32,
-        i32::from(r.halves),
-    );
-    let n = heads * r.n_dims / 2;
+    let f = dev.function("rope", "rope_qk_append_f32")?;
+    let half = r.n_dims / 2;
+    let n = nh * half + nkv * half + nkv * (dk - r.n_dims) + nkv * dv;
+    let ints = [nh, nkv, dk, dv, r.n_dims, pos].map(|v| v as i32);
+    let halves = i32::from(r.halves);
     let null: u64 = 0;
-    // SAFETY: heads x head_dim elements of x; freq_factors has n_dims/2 (from the model).
+    // SAFETY: every index the kernel writes is within the shapes checked above.
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
-        b.arg(x)
-            .arg(&h)
-            .arg(&hd)
-            .arg(&nd)
-            .arg(&p)
-            .arg(&r.base)
-            .arg(&r.freq_scale);
+        b.arg(q).arg(k).arg(v).arg(k_cache).arg(v_cache);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&r.base).arg(&r.freq_scale);
         match &r.freq_factors {
             Some(ff) => b.arg(ff),
             None => b.arg(&null),
