@@ -70,43 +70,61 @@ __device__ __forceinline__ void q4_k_scale_min(int j, const uint8_t* q, int& s, 
     }
 }
 
+// Two rows per warp: the activations each lane loads serve both rows, halving that
+// traffic (the activation reads were as large as the Q4_K weight reads).
+#define Q4_K_ROWS_PER_WARP 2
+
 extern "C" __global__ void mmvq_q4_k(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
                                      const float* __restrict__ XD, const float* __restrict__ XS,
                                      float* __restrict__ Y, int ncols, int nrows, int ntok) {
-    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
-    if (row >= nrows) return;
+    const int row0 = (blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE) * Q4_K_ROWS_PER_WARP;
+    if (row0 >= nrows) return;
+    const int nr = min(Q4_K_ROWS_PER_WARP, nrows - row0);
     const int lane = threadIdx.x % WARP_SIZE;
     const int nb = ncols / 256;
-    const uint8_t* wrow = W + (size_t)row * nb * 144;
     const int j = lane % 8;
     const int shift = (j % 2) * 4;
-    float acc[MAX_TOKENS] = {0};
+    float acc[Q4_K_ROWS_PER_WARP][MAX_TOKENS] = {};
     for (int b = lane / 8; b < nb; b += WARP_SIZE / 8) {
-        const uint8_t* blk = wrow + (size_t)b * 144;
-        const half2 dm = *(const half2*)blk;
-        int sc, mn;
-        q4_k_scale_min(j, blk + 4, sc, mn);
-        const int4* q = (const int4*)(blk + 16 + 32 * (j / 2));
-        const int4 q0 = q[0], q1 = q[1];
-        const int w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        int v[8];
+        int v[Q4_K_ROWS_PER_WARP][8];
+        float ds[Q4_K_ROWS_PER_WARP], dmn[Q4_K_ROWS_PER_WARP];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = (w[i] >> shift) & 0x0f0f0f0f;
-        const float ds = __low2float(dm) * sc, dmn = __high2float(dm) * mn;
+        for (int r = 0; r < Q4_K_ROWS_PER_WARP; ++r) {
+            if (r >= nr) break;
+            const uint8_t* blk = W + ((size_t)(row0 + r) * nb + b) * 144;
+            const half2 dm = *(const half2*)blk;
+            int sc, mn;
+            q4_k_scale_min(j, blk + 4, sc, mn);
+            const int4* q = (const int4*)(blk + 16 + 32 * (j / 2));
+            const int4 q0 = q[0], q1 = q[1];
+            const int w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[r][i] = (w[i] >> shift) & 0x0f0f0f0f;
+            ds[r] = __low2float(dm) * sc;
+            dmn[r] = __high2float(dm) * mn;
+        }
         const int xb = b * 8 + j;  // activation block of 32
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t >= ntok) break;
             int a[8];
             load_act(XQ, (size_t)t * ncols + (size_t)xb * 32, a);
-            int dot = 0;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) dot = __dp4a(v[i], a[i], dot);
             const size_t ai = (size_t)t * (ncols / 32) + xb;
-            acc[t] += ds * XD[ai] * dot - dmn * XS[ai];
+            const float xd = XD[ai], xs = XS[ai];
+#pragma unroll
+            for (int r = 0; r < Q4_K_ROWS_PER_WARP; ++r) {
+                if (r >= nr) break;
+                int dot = 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot = __dp4a(v[r][i], a[i], dot);
+                acc[r][t] += ds[r] * xd * dot - dmn[r] * xs;
+            }
         }
     }
-    warp_store(acc, ntok, Y, nrows, row);
+#pragma unroll
+    for (int r = 0; r < Q4_K_ROWS_PER_WARP; ++r) {
+        if (r < nr) warp_store(acc[r], ntok, Y, nrows, row0 + r);
+    }
 }
 
 // Q6_K: 210-byte blocks of 256 (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8

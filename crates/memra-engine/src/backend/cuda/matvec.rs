@@ -189,8 +189,14 @@ pub fn mmvq(
         return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
     }
     let f = dev.function("quant_matvec", name)?;
+    // Rows each warp computes (the Q4_K kernel takes two; `Q4_K_ROWS_PER_WARP` in the .cu).
+    let rows_per_warp = if ty == GgmlType::Q4K { 2 } else { 1 };
     let cfg = LaunchConfig {
-        grid_dim: ((nrows as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
+        grid_dim: (
+            (nrows as u32).div_ceil(ROWS_PER_BLOCK * rows_per_warp),
+            1,
+            1,
+        ),
         block_dim: (32 * ROWS_PER_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
