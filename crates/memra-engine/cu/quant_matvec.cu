@@ -14,24 +14,31 @@
 #define ROWS_PER_BLOCK 4
 #define MAX_TOKENS 8
 
-// One warp per 32 activations: int8 values, scale = max|x| / 127, scale * sum(q).
-extern "C" __global__ void quantize_act_q8(const float* __restrict__ x, int8_t* __restrict__ q,
-                                           float* __restrict__ d, float* __restrict__ s, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    const float v = i < n ? x[i] : 0.0f;
+// The whole warp quantizes one block of 32 values, lane l holding value v of element i
+// (i % 32 == l): int8 q[i], scale d = max|v| / 127, and s = d * sum(q) per block. Lanes
+// with `valid` false take part in the reductions with v = 0 and write nothing.
+__device__ __forceinline__ void quantize_warp_block(float v, int i, bool valid, int8_t* __restrict__ q,
+                                                    float* __restrict__ d, float* __restrict__ s) {
     float amax = fabsf(v);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
     const float scale = amax / 127.0f;
     const int qi = amax == 0.0f ? 0 : (int)roundf(v / scale);
     const float sum = warp_sum((float)qi);
-    if (i < n) {
+    if (valid) {
         q[i] = (int8_t)qi;
         if (i % 32 == 0) {
             d[i / 32] = scale;
             s[i / 32] = scale * sum;
         }
     }
+}
+
+// One warp per 32 activations.
+extern "C" __global__ void quantize_act_q8(const float* __restrict__ x, int8_t* __restrict__ q,
+                                           float* __restrict__ d, float* __restrict__ s, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    quantize_warp_block(i < n ? x[i] : 0.0f, i, i < n, q, d, s);
 }
 
 __device__ __forceinline__ void warp_store(float (&acc)[MAX_TOKENS], int ntok, float* Y, int nrows, int row) {
@@ -271,18 +278,7 @@ extern "C" __global__ void add_norm_quantize(float* __restrict__ x, const float*
     const int n_warps = blockDim.x / WARP_SIZE;
     for (int c = warp; c < n / 32; c += n_warps) {
         const int i = c * 32 + lane;
-        const float v = x[i] * scale * w[i];
-        float amax = fabsf(v);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, off));
-        const float dq = amax / 127.0f;
-        const int qi = amax == 0.0f ? 0 : (int)roundf(v / dq);
-        const float sum = warp_sum((float)qi);
-        q[i] = (int8_t)qi;
-        if (lane == 0) {
-            d[c] = dq;
-            s[c] = dq * sum;
-        }
+        quantize_warp_block(x[i] * scale * w[i], i, true, q, d, s);
     }
 }
 
@@ -299,17 +295,5 @@ extern "C" __global__ void gated_quantize(const float* __restrict__ g, const flo
                              : x / (1.0f + expf(-x));
         v = a * u[i];
     }
-    float amax = fabsf(v);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, off));
-    const float dq = amax / 127.0f;
-    const int qi = amax == 0.0f ? 0 : (int)roundf(v / dq);
-    const float sum = warp_sum((float)qi);
-    if (i < n) {
-        q[i] = (int8_t)qi;
-        if (i % 32 == 0) {
-            d[i / 32] = dq;
-            s[i / 32] = dq * sum;
-        }
-    }
+    quantize_warp_block(v, i, i < n, q, d, s);
 }

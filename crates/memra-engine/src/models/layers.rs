@@ -260,6 +260,15 @@ impl Decoder {
         }
     }
 
+    /// The input row of a token: its embedding, scaled when the architecture asks.
+    pub fn embed(&self, id: u32) -> Vec<f32> {
+        let mut row = self.token_embd.row_f32(id as usize);
+        if let Some(s) = self.embd_scale {
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        row
+    }
+
     /// Runs `tokens` at the next positions of `cache`; returns logits (`rows x n_vocab`).
     pub fn forward(
         &self,
@@ -282,12 +291,9 @@ impl Decoder {
             )));
         }
         let mut x = vec![0f32; t * e];
-        x.par_chunks_mut(e).zip(tokens).for_each(|(row, &id)| {
-            row.copy_from_slice(&self.token_embd.row_f32(id as usize));
-            if let Some(s) = self.embd_scale {
-                row.iter_mut().for_each(|v| *v *= s);
-            }
-        });
+        x.par_chunks_mut(e)
+            .zip(tokens)
+            .for_each(|(row, &id)| row.copy_from_slice(&self.embed(id)));
         let positions: Vec<usize> = (p0..p0 + t).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             self.attention_block(

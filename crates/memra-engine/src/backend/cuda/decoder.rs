@@ -249,11 +249,7 @@ impl<'m> GpuDecoder<'m> {
         let pos = self.len;
         let dev = &self.dev;
         let s = &mut self.scratch;
-        let mut row = m.token_embd.row_f32(id as usize);
-        if let Some(scale) = m.embd_scale {
-            row.iter_mut().for_each(|v| *v *= scale);
-        }
-        dev.stream.memcpy_htod(&row, &mut s.x)?;
+        dev.stream.memcpy_htod(&m.embed(id), &mut s.x)?;
         let (e, dk, dv) = (hp.n_embd, hp.head_dim_k, hp.head_dim_v);
         let (kr, vr) = (hp.n_head_kv * dk, hp.n_head_kv * dv);
         let shape = DecodeAttention {

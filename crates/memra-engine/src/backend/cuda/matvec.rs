@@ -4,6 +4,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use memra_gguf::GgmlType;
 
+use super::ops::grid_1d;
 use super::{CudaDevice, CudaError};
 
 /// Tokens one call handles (the kernels keep one accumulator per token in registers).
@@ -59,12 +60,7 @@ impl DeviceActs {
             )));
         }
         let f = dev.function("quant_matvec", "quantize_act_q8")?;
-        const THREADS: u32 = 256;
-        let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid_1d(n);
         let n_i = n as i32;
         // SAFETY: n <= the lengths of x and q, n / 32 <= those of d and s.
         unsafe {
@@ -96,12 +92,7 @@ impl DeviceActs {
             return Err(CudaError::Invalid(format!("gated_quantize: {n} elements")));
         }
         let f = dev.function("quant_matvec", "gated_quantize")?;
-        const THREADS: u32 = 256;
-        let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid_1d(n);
         let (n_i, gelu_i) = (n as i32, i32::from(gelu));
         // SAFETY: n elements of g, u and q; n / 32 of d and s (checked above).
         unsafe {

@@ -89,7 +89,8 @@ pub struct CudaDevice {
     pub name: String,
     pub compute_capability: (i32, i32),
     modules: Vec<(&'static str, Arc<CudaModule>)>,
-    functions: std::sync::Mutex<std::collections::HashMap<(String, String), CudaFunction>>,
+    functions:
+        std::sync::Mutex<std::collections::HashMap<(&'static str, &'static str), CudaFunction>>,
 }
 
 impl CudaDevice {
@@ -134,8 +135,12 @@ impl CudaDevice {
     /// A kernel of a family (`norm`, `rms_norm_f32`).
     /// Looked up once and cached: `cuModuleGetFunction` on every launch was a large share
     /// of the decode step's host time.
-    pub fn function(&self, family: &str, kernel: &str) -> Result<CudaFunction, CudaError> {
-        let key = (family.to_string(), kernel.to_string());
+    pub fn function(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+    ) -> Result<CudaFunction, CudaError> {
+        let key = (family, kernel);
         let mut cache = self.functions.lock().expect("function cache lock");
         if let Some(f) = cache.get(&key) {
             return Ok(f.clone());

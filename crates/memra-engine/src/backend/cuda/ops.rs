@@ -7,7 +7,8 @@ use super::{CudaDevice, CudaError};
 
 const THREADS: u32 = 256;
 
-fn grid_1d(n: usize) -> LaunchConfig {
+/// One thread per element, in blocks of 256.
+pub(super) fn grid_1d(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
         block_dim: (THREADS, 1, 1),
