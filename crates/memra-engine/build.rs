@@ -14,8 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel families, one fatbin each.
-const KERNELS: [&str; 6] = [
+const KERNELS: [&str; 7] = [
     "attention",
+    "dequant",
     "elementwise",
     "norm",
     "probe",

@@ -1,59 +1,395 @@
-// Attention for one query token over the cached keys and values (decode).
+// Attention over the f16 KV cache: split-K flash decoding for one query token (with a
+// combine kernel that merges the splits and quantizes the result for the output
+// projection), and flash attention for prompt batches.
 //
-// q: n_head x dk; k_cache: positions x (n_head_kv * dk); v_cache: positions x
-// (n_head_kv * dv); out: n_head x dv. The query sees positions first..n_kv-1 (first > 0
-// for sliding-window layers). One block per head; scores live in dynamic shared memory
-// (n_kv - first floats).
+// Layouts: the caches hold, per position, n_head_kv heads of D halves (K and V alike:
+// these kernels take dk == dv == D, one of 32, 64, 128, 256). Queries are f32, n_head x D
+// per token; query head h reads kv head h / (n_head / n_head_kv). A layer with a sliding
+// window of w positions lets the query at position p see positions p-w+1 .. p.
 #include "common.cuh"
 
-extern "C" __global__ void attn_decode_f32(const float* __restrict__ q, const float* __restrict__ k_cache,
-                                           const float* __restrict__ v_cache, float* __restrict__ out,
-                                           int n_head, int n_head_kv, int dk, int dv, int first, int n_kv,
-                                           float scale) {
-    extern __shared__ float scores[];
-    const int h = blockIdx.x;
-    const int kvh = h / (n_head / n_head_kv);
-    const float* qh = q + (size_t)h * dk;
-    const int n = n_kv - first;
-    float local_max = -INFINITY;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const float* kj = k_cache + (size_t)(first + j) * n_head_kv * dk + (size_t)kvh * dk;
-        float s = 0.0f;
-        for (int d = 0; d < dk; ++d) s += qh[d] * kj[d];
-        s *= scale;
-        scores[j] = s;
-        local_max = fmaxf(local_max, s);
-    }
-    // Block max.
-    __shared__ float red[WARP_SIZE];
-    float m = local_max;
+// Per-lane share of a head: D / 32 values.
+template <int D> struct HeadSplit {
+    static constexpr int per_lane = D / 32;
+};
+
+// Loads `n` halves from global memory into floats (n = 1, 2, 4 or 8; aligned to n halves).
+template <int N>
+__device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
+    if (N == 8) {
+        const uint4 u = *(const uint4*)p;
+        const __half2* h = (const __half2*)&u;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-    if (threadIdx.x % WARP_SIZE == 0) red[threadIdx.x / WARP_SIZE] = m;
-    __syncthreads();
-    const int n_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
-    m = threadIdx.x < n_warps ? red[threadIdx.x] : -INFINITY;
-    if (threadIdx.x < WARP_SIZE) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-        if (threadIdx.x == 0) red[0] = m;
-    }
-    __syncthreads();
-    const float max = red[0];
-    __syncthreads();
-    float local_sum = 0.0f;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const float e = expf(scores[j] - max);
-        scores[j] = e;
-        local_sum += e;
-    }
-    const float inv = 1.0f / block_sum(local_sum);
-    __syncthreads();
-    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; ++j) {
-            acc += scores[j] * v_cache[(size_t)(first + j) * n_head_kv * dv + (size_t)kvh * dv + d];
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = __low2float(h[i]);
+            out[2 * i + 1] = __high2float(h[i]);
         }
-        out[(size_t)h * dv + d] = acc * inv;
+    } else if (N == 4) {
+        const uint2 u = *(const uint2*)p;
+        const __half2* h = (const __half2*)&u;
+        out[0] = __low2float(h[0]);
+        out[1] = __high2float(h[0]);
+        out[2] = __low2float(h[1]);
+        out[3] = __high2float(h[1]);
+    } else if (N == 2) {
+        const __half2 h = *(const __half2*)p;
+        out[0] = __low2float(h);
+        out[1] = __high2float(h);
+    } else {
+        out[0] = __half2float(*p);
     }
 }
+
+#define MAX_GROUP 8      // query heads per kv head the decode kernel handles
+#define DECODE_WARPS 2
+
+// Decode: block (kv head, split) takes its share of keys for all query heads of the group.
+// Each lane scores one key per 32-key step (its whole row: no reduction across lanes), the
+// warp updates its running softmax per head once per step, then accumulates the values
+// with the lanes spread over the head's dimensions. The block's warps merge in shared
+// memory and write one partial result (max, sum, unnormalized output) per head and split.
+//
+// pos: device pointer to the query's position (keys 0..pos are in the cache), so a
+// captured graph replays with a new position without changes; n_split is a plain argument
+// a graph rewrites when the split count changes.
+template <int D>
+__device__ __forceinline__ void attn_decode(const float* __restrict__ q, const __half* __restrict__ k_cache,
+                                            const __half* __restrict__ v_cache, float* __restrict__ part_o,
+                                            float* __restrict__ part_ml, const int* __restrict__ pos,
+                                            int n_head, int n_head_kv, int window, float scale, int n_split) {
+    constexpr int E = HeadSplit<D>::per_lane;
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int group = n_head / n_head_kv;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int n_kv = *pos + 1;
+    const int first = window > 0 ? max(0, n_kv - window) : 0;
+    const int per = (n_kv - first + n_split - 1) / n_split;
+    const int begin = first + split * per, end = min(n_kv, begin + per);
+
+    __shared__ float qs[MAX_GROUP][D];
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        qs[i / D][i % D] = q[(size_t)(kvh * group + i / D) * D + i % D] * scale;
+    }
+    __syncthreads();
+
+    const size_t row = (size_t)n_head_kv * D;
+    float m[MAX_GROUP], l[MAX_GROUP], o[MAX_GROUP][E];
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) o[g][e] = 0.0f;
+    }
+    // Heads of up to 128 dimensions load the step's 32 value rows (E halves each per lane)
+    // together with the keys, before any arithmetic: one wait for memory per step, not two.
+    constexpr bool PREFETCH_V = E <= 4;
+    constexpr int VW = E <= 2 ? 1 : 2;  // 32-bit words per lane per value row
+    for (int base = begin + warp * WARP_SIZE; base < end; base += DECODE_WARPS * WARP_SIZE) {
+        const int key = base + lane;
+        const bool valid = key < end;
+        uint32_t vraw[PREFETCH_V ? WARP_SIZE : 1][VW];
+        if constexpr (PREFETCH_V) {
+#pragma unroll
+            for (int j = 0; j < WARP_SIZE; ++j) {
+                const __half* vp = v_cache + (size_t)(base + j) * row + (size_t)kvh * D + lane * E;
+                const bool in = base + j < end;
+                if (E == 4) {
+                    const uint2 u = in ? *(const uint2*)vp : make_uint2(0, 0);
+                    vraw[j][0] = u.x;
+                    vraw[j][VW - 1] = u.y;
+                } else if (E == 2) {
+                    vraw[j][0] = in ? *(const uint32_t*)vp : 0;
+                } else {
+                    vraw[j][0] = in ? *(const uint16_t*)vp : 0;
+                }
+            }
+        }
+        float s[MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) s[g] = 0.0f;
+        if (valid) {
+            const __half* kr = k_cache + key * row + (size_t)kvh * D;
+            // Unrolled so that a lane's loads of its key row are in flight together.
+#pragma unroll 8
+            for (int d = 0; d < D; d += 8) {
+                float kv[8];
+                load_halves<8>(kr + d, kv);
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; ++g) {
+                    if (g < group) {
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) s[g] += qs[g][d + i] * kv[i];
+                    }
+                }
+            }
+        }
+        const int n_valid = min(WARP_SIZE, end - base);
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            if (g >= group) break;
+            float mx = valid ? s[g] : -INFINITY;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+            const float m_new = fmaxf(m[g], mx);
+            const float p = valid ? __expf(s[g] - m_new) : 0.0f;
+            const float corr = __expf(m[g] - m_new);
+            l[g] = l[g] * corr + warp_sum(p);
+            m[g] = m_new;
+#pragma unroll
+            for (int e = 0; e < E; ++e) o[g][e] *= corr;
+            s[g] = p;
+        }
+        if constexpr (PREFETCH_V) {
+#pragma unroll
+            for (int j = 0; j < WARP_SIZE; ++j) {
+                if (j >= n_valid) break;
+                float vv[E];
+                const __half2* h2 = (const __half2*)vraw[j];
+                if (E == 1) {
+                    vv[0] = __half2float(__ushort_as_half((unsigned short)vraw[j][0]));
+                } else {
+#pragma unroll
+                    for (int e = 0; e < E; e += 2) {
+                        vv[e] = __low2float(h2[e / 2]);
+                        vv[e + 1 < E ? e + 1 : e] = __high2float(h2[e / 2]);
+                    }
+                }
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; ++g) {
+                    if (g >= group) break;
+                    const float p = __shfl_sync(0xffffffff, s[g], j);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) o[g][e] += p * vv[e];
+                }
+            }
+        } else {
+            // Eight value rows in flight at once.
+#pragma unroll 8
+            for (int j = 0; j < n_valid; ++j) {
+                float vv[E];
+                load_halves<E>(v_cache + (size_t)(base + j) * row + (size_t)kvh * D + lane * E, vv);
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; ++g) {
+                    if (g >= group) break;
+                    const float p = __shfl_sync(0xffffffff, s[g], j);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) o[g][e] += p * vv[e];
+                }
+            }
+        }
+    }
+
+    // Merge the warps: each writes its state, warp 0 combines.
+    __shared__ float sm[DECODE_WARPS][MAX_GROUP][2];
+    __shared__ float so[DECODE_WARPS][MAX_GROUP][D];
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g >= group) break;
+        if (lane == 0) {
+            sm[warp][g][0] = m[g];
+            sm[warp][g][1] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) so[warp][g][lane * E + e] = o[g][e];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float mx = -INFINITY;
+        for (int w = 0; w < DECODE_WARPS; ++w) mx = fmaxf(mx, sm[w][g][0]);
+        float acc = 0.0f, sum = 0.0f;
+        for (int w = 0; w < DECODE_WARPS; ++w) {
+            const float c = sm[w][g][0] == -INFINITY ? 0.0f : __expf(sm[w][g][0] - mx);
+            acc += c * so[w][g][d];
+            sum += c * sm[w][g][1];
+        }
+        const int h = kvh * group + g;
+        part_o[((size_t)split * n_head + h) * D + d] = acc;
+        if (d == 0) {
+            part_ml[((size_t)split * n_head + h) * 2] = mx;
+            part_ml[((size_t)split * n_head + h) * 2 + 1] = sum;
+        }
+    }
+}
+
+#define ATTN_DECODE(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * WARP_SIZE)                                     \
+        attn_decode_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                      \
+                         const __half* __restrict__ v_cache, float* __restrict__ part_o,                       \
+                         float* __restrict__ part_ml, const int* __restrict__ pos, int n_head, int n_head_kv,  \
+                         int window, float scale, int n_split) {                                               \
+        attn_decode<D>(q, k_cache, v_cache, part_o, part_ml, pos, n_head, n_head_kv, window, scale, n_split);  \
+    }
+
+ATTN_DECODE(32)
+ATTN_DECODE(64)
+ATTN_DECODE(128)
+ATTN_DECODE(256)
+
+// Merges the splits of each head (one block of D threads per head) into the attention
+// output; writes it as f32 (`out`, may be null) and quantized to int8 per 32 for the output
+// projection's matvec (`xq`, `xd`, `xs`, may be null), as quantize_act_q8 does. The split
+// weights are computed once per block, in parallel; the sum over splits then reads every
+// split's partial with loads in flight together (a serial loop over 64 splits, waiting on
+// each load, had cost more than the attention itself at long contexts).
+#define MAX_SPLITS 64
+
+extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                        float* __restrict__ out, int8_t* __restrict__ xq, float* __restrict__ xd,
+                                        float* __restrict__ xs, int n_head, int d_head, int n_split) {
+    __shared__ float weight[MAX_SPLITS];
+    const int h = blockIdx.x, d = threadIdx.x;
+    float mx = -INFINITY;
+    for (int s = d; s < n_split; s += blockDim.x) mx = fmaxf(mx, part_ml[((size_t)s * n_head + h) * 2]);
+    mx = block_max(mx);
+    float sum = 0.0f;
+    for (int s = d; s < n_split; s += blockDim.x) {
+        const float m = part_ml[((size_t)s * n_head + h) * 2];
+        const float c = m == -INFINITY ? 0.0f : __expf(m - mx);
+        weight[s] = c;
+        sum += c * part_ml[((size_t)s * n_head + h) * 2 + 1];
+    }
+    sum = block_sum(sum);  // its barrier also publishes `weight`
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < n_split; ++s) acc += weight[s] * part_o[((size_t)s * n_head + h) * d_head + d];
+    const float v = acc / sum;
+    const int i = h * d_head + d;
+    if (out) out[i] = v;
+    if (xq) quantize_warp_block(v, i, true, xq, xd, xs);
+}
+
+// Prompt batches: flash attention, f32 arithmetic on CUDA cores. Block (query tile of
+// PREFILL_WARPS * 4 tokens, query head); each warp owns 4 queries. Key/value tiles of 32
+// positions go through shared memory; each lane scores one key of the tile for the warp's
+// queries, then the lanes spread over the dimensions to accumulate the values.
+// Query t (0..n_q-1) sits at position *pos + t; the keys of the batch are already in the
+// cache. Output: f16, n_q x n_head x D, the output projection's GEMM input.
+#define PREFILL_WARPS 8
+#define Q_PER_WARP 4
+
+template <int D>
+__device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const __half* __restrict__ k_cache,
+                                             const __half* __restrict__ v_cache, __half* __restrict__ out,
+                                             const int* __restrict__ pos, int n_q, int n_head, int n_head_kv,
+                                             int window, float scale) {
+    constexpr int E = HeadSplit<D>::per_lane;
+    constexpr int QT = PREFILL_WARPS * Q_PER_WARP;
+    constexpr int KROW = D / 2 + 1;  // K rows padded by a word: lanes reading rows hit distinct banks
+    extern __shared__ float smem[];
+    float* qs = smem;                                            // QT x D
+    __half2* ks = (__half2*)(qs + QT * D);                       // 32 x KROW
+    __half2* vs = ks + 32 * KROW;                                // 32 x D/2
+
+    const int h = blockIdx.y, kvh = h / (n_head / n_head_kv);
+    const int t0 = blockIdx.x * QT;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int p0 = *pos;
+    for (int i = threadIdx.x; i < QT * D; i += blockDim.x) {
+        const int t = t0 + i / D;
+        qs[i] = t < n_q ? q[((size_t)t * n_head + h) * D + i % D] * scale : 0.0f;
+    }
+    // Keys this block needs: from the window start of its first query to its last query.
+    const int last_q = min(n_q, t0 + QT) - 1;
+    const int k_begin = window > 0 ? max(0, p0 + t0 - window + 1) : 0;
+    const int k_end = p0 + last_q + 1;
+
+    float m[Q_PER_WARP], l[Q_PER_WARP], o[Q_PER_WARP][E];
+#pragma unroll
+    for (int i = 0; i < Q_PER_WARP; ++i) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) o[i][e] = 0.0f;
+    }
+    const size_t row = (size_t)n_head_kv * D;
+    for (int kb = k_begin - k_begin % 32; kb < k_end; kb += 32) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < 32 * D / 2; i += blockDim.x) {
+            const int j = i / (D / 2), c = i % (D / 2);
+            const int key = kb + j;
+            __half2 kv = __float2half2_rn(0.0f), vv = kv;
+            if (key < k_end) {
+                kv = ((const __half2*)(k_cache + key * row + (size_t)kvh * D))[c];
+                vv = ((const __half2*)(v_cache + key * row + (size_t)kvh * D))[c];
+            }
+            ks[j * KROW + c] = kv;
+            vs[j * (D / 2) + c] = vv;
+        }
+        __syncthreads();
+        float s[Q_PER_WARP] = {};
+        const float* qw = qs + warp * Q_PER_WARP * D;
+#pragma unroll 4
+        for (int c = 0; c < D / 2; ++c) {
+            const float2 kf = __half22float2(ks[lane * KROW + c]);
+#pragma unroll
+            for (int i = 0; i < Q_PER_WARP; ++i) {
+                const float2 qf = *(const float2*)(qw + i * D + 2 * c);
+                s[i] += qf.x * kf.x + qf.y * kf.y;
+            }
+        }
+        const int key = kb + lane;
+#pragma unroll
+        for (int i = 0; i < Q_PER_WARP; ++i) {
+            const int qp = p0 + t0 + warp * Q_PER_WARP + i;
+            const bool valid = key <= qp && key >= k_begin && (window <= 0 || key > qp - window);
+            float mx = valid ? s[i] : -INFINITY;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+            const float m_new = fmaxf(m[i], mx);
+            // A query with no visible key in this tile yet keeps m = -inf: guard the exps.
+            const float p = valid ? __expf(s[i] - m_new) : 0.0f;
+            const float corr = m[i] == -INFINITY ? 0.0f : __expf(m[i] - m_new);
+            l[i] = l[i] * corr + warp_sum(p);
+            m[i] = m_new;
+#pragma unroll
+            for (int e = 0; e < E; ++e) o[i][e] *= corr;
+            s[i] = p;
+        }
+        for (int j = 0; j < 32; ++j) {
+            float vv[E];
+#pragma unroll
+            for (int e = 0; e < E; e += 2) {
+                const int c = (lane * E + e) / 2;
+                if (E == 1) {
+                    const __half* vh = (const __half*)(vs + j * (D / 2));
+                    vv[0] = __half2float(vh[lane]);
+                } else {
+                    const float2 f = __half22float2(vs[j * (D / 2) + c]);
+                    vv[e] = f.x;
+                    vv[e + 1] = f.y;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < Q_PER_WARP; ++i) {
+                const float p = __shfl_sync(0xffffffff, s[i], j);
+#pragma unroll
+                for (int e = 0; e < E; ++e) o[i][e] += p * vv[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < Q_PER_WARP; ++i) {
+        const int t = t0 + warp * Q_PER_WARP + i;
+        if (t >= n_q) break;
+        const float inv = 1.0f / l[i];
+        __half* orow = out + ((size_t)t * n_head + h) * D + lane * E;
+#pragma unroll
+        for (int e = 0; e < E; ++e) orow[e] = __float2half(o[i][e] * inv);
+    }
+}
+
+#define ATTN_PREFILL(D)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * WARP_SIZE)                                    \
+        attn_prefill_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                     \
+                          const __half* __restrict__ v_cache, __half* __restrict__ out,                        \
+                          const int* __restrict__ pos, int n_q, int n_head, int n_head_kv, int window,         \
+                          float scale) {                                                                       \
+        attn_prefill<D>(q, k_cache, v_cache, out, pos, n_q, n_head, n_head_kv, window, scale);                  \
+    }
+
+ATTN_PREFILL(32)
+ATTN_PREFILL(64)
+ATTN_PREFILL(128)
+ATTN_PREFILL(256)

@@ -30,3 +30,45 @@ __device__ __forceinline__ float block_sum(float v) {
     __syncthreads();
     return v;
 }
+
+// Max over a block of up to 1024 threads; every thread gets the result.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[WARP_SIZE];
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int n_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
+    v = lane < n_warps ? partial[lane] : -INFINITY;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    __syncthreads();
+    return v;
+}
+
+// The whole warp quantizes one block of 32 values, lane l holding value v of element i
+// (i % 32 == l): int8 q[i], scale d = max|v| / 127, and s = d * sum(q) per block. Lanes
+// with `valid` false take part in the reductions with v = 0 and write nothing.
+__device__ __forceinline__ void quantize_warp_block(float v, int i, bool valid, int8_t* __restrict__ q,
+                                                    float* __restrict__ d, float* __restrict__ s) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    const float scale = amax / 127.0f;
+    const int qi = amax == 0.0f ? 0 : (int)roundf(v / scale);
+    const float sum = warp_sum((float)qi);
+    if (valid) {
+        q[i] = (int8_t)qi;
+        if (i % 32 == 0) {
+            d[i / 32] = scale;
+            s[i / 32] = scale * sum;
+        }
+    }
+}
+
+// The FFN gate: GELU (tanh approximation) when `gelu`, else SiLU.
+__device__ __forceinline__ float gate_act(float x, int gelu) {
+    return gelu ? 0.5f * x * (1.0f + tanhf(0.7978845608f * x * (1.0f + 0.044715f * x * x))) : x / (1.0f + expf(-x));
+}

@@ -15,3 +15,23 @@ extern "C" __global__ void rms_norm_inplace_f32(float* __restrict__ x, const flo
         xr[i] = xr[i] * scale * weight[i];
     }
 }
+
+// Prompt batches: x += o (o may be null), then the RMS norm of each row times w, written as
+// f16 for the next GEMM. One block per row of n.
+extern "C" __global__ void add_norm_f16(float* __restrict__ x, const float* __restrict__ o,
+                                        const float* __restrict__ w, __half* __restrict__ out, int n, float eps) {
+    float* xr = x + (size_t)blockIdx.x * n;
+    const float* orow = o ? o + (size_t)blockIdx.x * n : nullptr;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = xr[i];
+        if (orow) {
+            v += orow[i];
+            xr[i] = v;
+        }
+        ss += v * v;
+    }
+    const float scale = rsqrtf(block_sum(ss) / n + eps);
+    __half* outr = out + (size_t)blockIdx.x * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) outr[i] = __float2half(xr[i] * scale * w[i]);
+}

@@ -3,54 +3,64 @@
 // freq_factors (n_dims/2, Llama 3.1 scaling) may be null.
 #include "common.cuh"
 
-// Decode step: RoPE on q (n_head heads, in place) and k (n_head_kv heads, written rotated
-// into its cache row at `pos`), and v copied into its cache row: one launch instead of two
-// RoPEs and two copies. One thread per rotation pair, per passed-through k element and per
-// v element, so no two threads touch the same value.
-__device__ __forceinline__ void rotate(const float* src, float* dst, int i, int half, int n_dims, int pos,
-                                       float base, float freq_scale, const float* freq_factors, int halves) {
+__device__ __forceinline__ void rotate(const float* src, int i, int half, int n_dims, int pos, float base,
+                                       float freq_scale, const float* freq_factors, int halves, float& a,
+                                       float& b) {
     float theta = powf(base, -2.0f * i / n_dims);
     if (freq_factors) theta /= freq_factors[i];
     float s, c;
     sincosf(pos * freq_scale * theta, &s, &c);
-    const int a = halves ? i : 2 * i, b = halves ? i + half : 2 * i + 1;
-    const float x0 = src[a], x1 = src[b];
-    dst[a] = x0 * c - x1 * s;
-    dst[b] = x0 * s + x1 * c;
+    const float x0 = src[halves ? i : 2 * i], x1 = src[halves ? i + half : 2 * i + 1];
+    a = x0 * c - x1 * s;
+    b = x0 * s + x1 * c;
 }
 
-extern "C" __global__ void rope_qk_append_f32(float* __restrict__ q, const float* __restrict__ k,
-                                              const float* __restrict__ v, float* __restrict__ k_cache,
-                                              float* __restrict__ v_cache, int n_head, int n_head_kv,
-                                              int head_dim, int dv, int n_dims, int pos, float base,
-                                              float freq_scale, const float* __restrict__ freq_factors,
-                                              int halves) {
+// RoPE on q (n_head heads per token, in place) and k (n_head_kv heads, written rotated
+// into the f16 cache), and v copied into the cache: one launch instead of two RoPEs and two
+// copies. Token t of the batch (blockIdx.y) sits at position *pos + t: the position is
+// read on the device so that a captured decode graph replays with a new one. One thread
+// per rotation pair, per passed-through k element and per v element.
+extern "C" __global__ void rope_qk_append(float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, __half* __restrict__ k_cache,
+                                          __half* __restrict__ v_cache, int n_head, int n_head_kv, int head_dim,
+                                          int dv, int n_dims, const int* __restrict__ pos, float base,
+                                          float freq_scale, const float* __restrict__ freq_factors, int halves) {
     const int half = n_dims / 2;
     const int q_pairs = n_head * half, k_pairs = n_head_kv * half;
     const int k_rest = n_head_kv * (head_dim - n_dims), v_n = n_head_kv * dv;
+    const int t = blockIdx.y, p = *pos + t;
+    q += (size_t)t * n_head * head_dim;
+    k += (size_t)t * n_head_kv * head_dim;
+    v += (size_t)t * v_n;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    float* k_row = k_cache + (size_t)pos * n_head_kv * head_dim;
+    __half* k_row = k_cache + (size_t)p * n_head_kv * head_dim;
     if (idx < q_pairs) {
         float* qh = q + (size_t)(idx / half) * head_dim;
-        rotate(qh, qh, idx % half, half, n_dims, pos, base, freq_scale, freq_factors, halves);
+        float a, b;
+        rotate(qh, idx % half, half, n_dims, p, base, freq_scale, freq_factors, halves, a, b);
+        const int i = idx % half;
+        qh[halves ? i : 2 * i] = a;
+        qh[halves ? i + half : 2 * i + 1] = b;
         return;
     }
     idx -= q_pairs;
     if (idx < k_pairs) {
-        const int h = idx / half;
-        rotate(k + (size_t)h * head_dim, k_row + (size_t)h * head_dim, idx % half, half, n_dims, pos, base,
-               freq_scale, freq_factors, halves);
+        const int h = idx / half, i = idx % half;
+        float a, b;
+        rotate(k + (size_t)h * head_dim, i, half, n_dims, p, base, freq_scale, freq_factors, halves, a, b);
+        k_row[(size_t)h * head_dim + (halves ? i : 2 * i)] = __float2half(a);
+        k_row[(size_t)h * head_dim + (halves ? i + half : 2 * i + 1)] = __float2half(b);
         return;
     }
     idx -= k_pairs;
     if (idx < k_rest) {
         const int rest = head_dim - n_dims;
         const int h = idx / rest, e = n_dims + idx % rest;
-        k_row[(size_t)h * head_dim + e] = k[(size_t)h * head_dim + e];
+        k_row[(size_t)h * head_dim + e] = __float2half(k[(size_t)h * head_dim + e]);
         return;
     }
     idx -= k_rest;
     if (idx < v_n) {
-        v_cache[(size_t)pos * v_n + idx] = v[idx];
+        v_cache[(size_t)p * v_n + idx] = __float2half(v[idx]);
     }
 }

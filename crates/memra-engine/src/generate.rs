@@ -37,8 +37,21 @@ pub trait Runner {
     }
     /// Forgets the context.
     fn reset(&mut self);
+    /// Feeds tokens at the next positions; returns the logits of `rows` (`rows x n_vocab`).
+    fn feed_rows(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, GenerateError>;
     /// Feeds tokens at the next positions; returns the logits of the last one.
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GenerateError>;
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GenerateError> {
+        self.feed_rows(tokens, LogitRows::Last)
+    }
+    /// Feeds one token; returns the most likely next token (a GPU picks it on the device,
+    /// sending back one id instead of the logits).
+    fn feed_greedy(&mut self, token: u32) -> Result<u32, GenerateError> {
+        Ok(crate::sampler::argmax(&self.feed(&[token])?))
+    }
+    /// Device memory, where the runner holds any: a line for the user.
+    fn device_memory(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The CPU decoder with its KV cache; prompts go through in batches of `batch` tokens.
@@ -68,7 +81,10 @@ impl Runner for CpuRunner<'_> {
     fn reset(&mut self) {
         self.cache.truncate(0);
     }
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GenerateError> {
+    fn feed_rows(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, GenerateError> {
+        if let LogitRows::From(_) = rows {
+            return Ok(self.decoder.forward(&mut self.cache, tokens, rows)?);
+        }
         let mut logits = Vec::new();
         for chunk in tokens.chunks(self.batch) {
             // Only the last chunk's logits are used; the others compute one row.
@@ -80,7 +96,7 @@ impl Runner for CpuRunner<'_> {
     }
 }
 
-/// The GPU decoder: one token per step for now (prompts included).
+/// The GPU decoder: prompt batches through GEMMs, single tokens through a CUDA graph.
 impl Runner for GpuDecoder<'_> {
     fn n_ctx(&self) -> usize {
         GpuDecoder::n_ctx(self)
@@ -91,12 +107,14 @@ impl Runner for GpuDecoder<'_> {
     fn reset(&mut self) {
         GpuDecoder::reset(self);
     }
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GenerateError> {
-        let mut logits = Vec::new();
-        for &t in tokens {
-            logits = self.forward_token(t)?;
-        }
-        Ok(logits)
+    fn feed_rows(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, GenerateError> {
+        Ok(self.forward(tokens, rows)?)
+    }
+    fn feed_greedy(&mut self, token: u32) -> Result<u32, GenerateError> {
+        Ok(self.forward_greedy(token)?)
+    }
+    fn device_memory(&self) -> Option<String> {
+        Some(self.memory_report())
     }
 }
 
@@ -198,8 +216,11 @@ pub fn generate(
     };
     let mut generated = Vec::new();
     let mut stop = StopReason::Length;
+    // Plain greedy decoding lets the device pick the next token itself.
+    let greedy = config.sampler.is_plain_greedy();
+    let mut next = None;
     while generated.len() < config.n_predict {
-        let id = sampler.sample(&logits);
+        let id = next.take().unwrap_or_else(|| sampler.sample(&logits));
         if t.is_end_of_generation(id) {
             stop = StopReason::EndOfGeneration;
             break;
@@ -219,7 +240,11 @@ pub fn generate(
             stop = StopReason::ContextFull;
             break;
         }
-        logits = runner.feed(&[id])?;
+        if greedy {
+            next = Some(runner.feed_greedy(id)?);
+        } else {
+            logits = runner.feed(&[id])?;
+        }
     }
     if stop != StopReason::StopString {
         let (text, _) = filter.push(&decoder.finish());
@@ -251,6 +276,7 @@ pub struct Perplexity {
 /// `progress(chunk, running_ppl)` is called after each chunk.
 pub fn perplexity(
     model: &Model,
+    runner: &mut dyn Runner,
     text: &str,
     n_ctx: usize,
     max_chunks: Option<usize>,
@@ -260,6 +286,12 @@ pub fn perplexity(
         return Err(GenerateError::Invalid(
             "the context must hold at least 8 tokens".into(),
         ));
+    }
+    if runner.n_ctx() < n_ctx {
+        return Err(GenerateError::Invalid(format!(
+            "the runner holds {} positions, fewer than a chunk of {n_ctx}",
+            runner.n_ctx()
+        )));
     }
     let t = &model.tokenizer;
     let tokens = t.encode(text, true, false)?;
@@ -279,10 +311,8 @@ pub fn perplexity(
         if t.add_bos {
             chunk[0] = t.bos.expect("checked at load");
         }
-        let mut cache = model.decoder.new_cache(n_ctx);
-        let logits = model
-            .decoder
-            .forward(&mut cache, &chunk, LogitRows::From(first))?;
+        runner.reset();
+        let logits = runner.feed_rows(&chunk, LogitRows::From(first))?;
         for j in first..n_ctx - 1 {
             let row = &logits[(j - first) * n_vocab..(j - first + 1) * n_vocab];
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));

@@ -24,6 +24,19 @@ pub struct SamplerConfig {
     pub seed: u64,
 }
 
+impl SamplerConfig {
+    /// Whether sampling is the plain most-likely pick (no temperature, penalties or bias),
+    /// which a device can make without sending the logits back.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature <= 0.0
+            && self.logit_bias.is_empty()
+            && (self.penalty_last_n == 0
+                || (self.repeat_penalty == 1.0
+                    && self.presence_penalty == 0.0
+                    && self.frequency_penalty == 0.0))
+    }
+}
+
 impl Default for SamplerConfig {
     /// llama.cpp's defaults.
     fn default() -> SamplerConfig {

@@ -234,8 +234,16 @@ fn check_perplexity(file: &str, tolerance: f64, filter: impl Fn(&str) -> bool) {
         let model = Model::load(&model_path(name)).unwrap();
         let ctx = case["ctx"].as_u64().unwrap() as usize;
         let chunks = case["chunks"].as_u64().unwrap() as usize;
-        let got = memra_engine::generate::perplexity(&model, text, ctx, Some(chunks), |_, _, _| {})
-            .unwrap();
+        let mut runner = memra_engine::generate::CpuRunner::new(&model.decoder, ctx, 512);
+        let got = memra_engine::generate::perplexity(
+            &model,
+            &mut runner,
+            text,
+            ctx,
+            Some(chunks),
+            |_, _, _| {},
+        )
+        .unwrap();
         let want = case["ppl"].as_f64().unwrap();
         let rel = (got.ppl - want).abs() / want;
         report.push(format!(

@@ -1,6 +1,8 @@
 //! `memra bench`: prompt processing and generation speed, by llama-bench's method: a
 //! warm-up run, then `-r` timed repetitions of each test on a fresh context (after `-d`
-//! tokens of depth), reported as mean ± standard deviation of tokens per second.
+//! tokens of depth), reported as mean ± standard deviation of tokens per second. `pp`
+//! feeds the prompt as one batch (its last row's logits come back); `tg` feeds one token
+//! per step and takes back the greedy pick (on the GPU, the id alone crosses to the host).
 
 use std::time::Instant;
 
@@ -67,8 +69,11 @@ pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
                     if kind == "pp" {
                         r.feed(&test_tokens)?;
                     } else {
+                        // Each step hands back the next token's id, picked where the
+                        // logits are (on the GPU: one id crosses to the host, not the
+                        // logits), as greedy generation runs.
                         for &t in &test_tokens {
-                            r.feed(&[t])?;
+                            r.feed_greedy(t)?;
                         }
                     }
                     Ok(n as f64 / start.elapsed().as_secs_f64())
@@ -86,6 +91,9 @@ pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
                     format!("{kind}{n}")
                 };
                 eprintln!("{test}: {mean:.2} t/s");
+                if let Some(line) = r.device_memory() {
+                    eprintln!("{line}");
+                }
                 rows.push(Row {
                     test,
                     mean,
@@ -95,7 +103,7 @@ pub fn run(model_args: &ModelArgs, a: &BenchArgs) -> Result<()> {
             }
         }
     }
-    let backend = match model_args.device {
+    let backend = match model_args.device() {
         Device::Cpu => "CPU",
         Device::Cuda => "CUDA",
     };

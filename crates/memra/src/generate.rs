@@ -31,15 +31,29 @@ pub struct ModelArgs {
     /// The GGUF model file.
     #[arg(short, long)]
     pub model: PathBuf,
-    /// Where to run.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    pub device: Device,
+    /// Where to run (default: cuda when this build has kernels and a GPU fits them, else
+    /// cpu).
+    #[arg(long, value_enum)]
+    pub device: Option<Device>,
     /// CPU threads (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
     /// Context size in tokens (default: 4096, or the model's training context if smaller).
     #[arg(short = 'c', long = "ctx-size")]
     pub ctx: Option<usize>,
+}
+
+impl ModelArgs {
+    /// The device asked for, or the default: the GPU when one is usable.
+    pub fn device(&self) -> Device {
+        self.device.unwrap_or_else(|| {
+            if memra_engine::backend::cuda::usable_gpu() {
+                Device::Cuda
+            } else {
+                Device::Cpu
+            }
+        })
+    }
 }
 
 /// Sampling options of `run` and `chat`.
@@ -96,7 +110,7 @@ const PROMPT_BATCH: usize = 512;
 /// Loads a model on the chosen device with a progress bar, reading the whole file once so
 /// the first tokens do not wait on page faults.
 pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
-    if args.device == Device::Cuda && memra_engine::backend::cuda::built_arch().is_none() {
+    if args.device() == Device::Cuda && memra_engine::backend::cuda::built_arch().is_none() {
         bail!("{}", memra_engine::backend::cuda::CudaError::NoKernels);
     }
     if let Some(t) = args.threads {
@@ -149,13 +163,14 @@ pub fn runner<'m>(
     model: &'m Model,
     n_ctx: usize,
 ) -> Result<Box<dyn Runner + 'm>> {
-    Ok(match args.device {
+    Ok(match args.device() {
         Device::Cpu => Box::new(CpuRunner::new(&model.decoder, n_ctx, PROMPT_BATCH)),
         Device::Cuda => {
             let gpu = GpuDecoder::new(0, &model.decoder, n_ctx)?;
             eprintln!(
-                "gpu: {} MiB of device memory for weights, KV cache and buffers",
-                gpu.device_bytes >> 20
+                "{} (file {:.0} MiB; prompt batches add their buffers at the first batch)",
+                gpu.memory_report(),
+                model.file.file_size() as f64 / (1 << 20) as f64
             );
             Box::new(gpu)
         }
@@ -303,12 +318,10 @@ pub fn run_perplexity(args: &ModelArgs, file: &Path, chunks: Option<usize>) -> R
         text.pop();
     }
     let n_ctx = args.ctx.unwrap_or(512);
-    if args.device == Device::Cuda {
-        bail!("--device cuda: perplexity needs prompt batches on the GPU, which are not implemented yet; use --device cpu");
-    }
     let (model, _) = load(args)?;
+    let mut r = runner(args, &model, n_ctx)?;
     let start = Instant::now();
-    let result = perplexity(&model, &text, n_ctx, chunks, |c, n, ppl| {
+    let result = perplexity(&model, r.as_mut(), &text, n_ctx, chunks, |c, n, ppl| {
         eprintln!(
             "[{c}/{n}] {ppl:.4} ({:.1} s, {:.1} t/s)",
             start.elapsed().as_secs_f64(),

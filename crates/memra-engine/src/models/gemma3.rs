@@ -66,5 +66,6 @@ pub fn load(file: &Arc<GgufFile>, hp: &Hyper) -> Result<Decoder, ModelError> {
         // llama.cpp uses n_embd/n_head only for the 27B model).
         attn_scale: 1.0 / (hp.head_dim_k as f32).sqrt(),
         final_logit_softcap: m.get_f32("gemma3.final_logit_softcapping")?,
+        exact_activations: super::exact_activations_from_env(),
     })
 }

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::weights::{Linear, TensorSource};
 use super::ModelError;
-use crate::backend::cpu::matmul::{matmul, ActFormat, QuantizedActs, WeightRows};
+use crate::backend::cpu::matmul::{matmul_with, ActFormat, QuantizedActs, WeightRows};
 use crate::backend::cpu::ops::{self, AttentionShape, Rope};
 
 /// Hyperparameters common to the decoders, from `{arch}.*` keys.
@@ -208,6 +208,10 @@ pub struct Decoder {
     pub activation: Activation,
     pub attn_scale: f32,
     pub final_logit_softcap: Option<f32>,
+    /// Multiply with unrounded f32 activations instead of llama.cpp's Q8 rounding: the
+    /// precise reference the GPU tests compare with (slow; `MEMRA_CPU_F32_ACTIVATIONS=1`
+    /// turns it on at load).
+    pub exact_activations: bool,
 }
 
 /// Keys and values of past positions, per layer.
@@ -314,7 +318,7 @@ impl Decoder {
         let mut h = x[first * e..].to_vec();
         ops::rms_norm(&mut h, &self.output_norm, hp.rms_eps);
         let mut logits = vec![0f32; (t - first) * hp.n_vocab];
-        matmul(&self.output, &h, None, &mut logits);
+        matmul_with(&self.output, &h, None, &mut logits, self.exact_activations);
         if let Some(cap) = self.final_logit_softcap {
             logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
         }
@@ -333,7 +337,7 @@ impl Decoder {
         let (t, e) = (positions.len(), hp.n_embd);
         let mut h = x.to_vec();
         ops::rms_norm(&mut h, &l.attn_norm, hp.rms_eps);
-        let mut acts = ActCache::default();
+        let mut acts = ActCache::new(self.exact_activations);
         let (dk, dv) = (hp.head_dim_k, hp.head_dim_v);
         let mut q = acts.project(&l.wq, &h, e);
         let mut k = acts.project(&l.wk, &h, e);
@@ -375,7 +379,7 @@ impl Decoder {
             &mut attn,
         );
         let mut o = vec![0f32; t * e];
-        matmul(&l.wo, &attn, None, &mut o);
+        matmul_with(&l.wo, &attn, None, &mut o, self.exact_activations);
         if let Some(w) = &l.post_attn_norm {
             ops::rms_norm(&mut o, w, hp.rms_eps);
         }
@@ -390,12 +394,12 @@ impl Decoder {
         ops::rms_norm(&mut h, &l.ffn_norm, hp.rms_eps);
         let mut f = match &l.ffn {
             Ffn::Dense { gate, up, down } => {
-                let mut acts = ActCache::default();
+                let mut acts = ActCache::new(self.exact_activations);
                 let g = acts.project(gate, &h, e);
                 let u = acts.project(up, &h, e);
                 let gated = self.gate(g, &u);
                 let mut out = vec![0f32; t * e];
-                matmul(down, &gated, None, &mut out);
+                matmul_with(down, &gated, None, &mut out, self.exact_activations);
                 out
             }
             Ffn::Experts {
@@ -407,7 +411,7 @@ impl Decoder {
                 normalize,
             } => {
                 let mut probs = vec![0f32; t * gate.len()];
-                matmul(router, &h, None, &mut probs);
+                matmul_with(router, &h, None, &mut probs, self.exact_activations);
                 // Route each token: softmax over experts, top-k, optional renormalization.
                 let mut routes: Vec<Vec<(usize, f32)>> = vec![Vec::new(); gate.len()];
                 for (tok, p) in probs.chunks_exact_mut(gate.len()).enumerate() {
@@ -430,12 +434,12 @@ impl Decoder {
                         .iter()
                         .flat_map(|&(tok, _)| h[tok * e..(tok + 1) * e].iter().copied())
                         .collect();
-                    let mut acts = ActCache::default();
+                    let mut acts = ActCache::new(self.exact_activations);
                     let g = acts.project(&gate[ex], &xin, e);
                     let u = acts.project(&up[ex], &xin, e);
                     let gated = self.gate(g, &u);
                     let mut y = vec![0f32; toks.len() * e];
-                    matmul(&down[ex], &gated, None, &mut y);
+                    matmul_with(&down[ex], &gated, None, &mut y, self.exact_activations);
                     for (row, &(tok, w)) in y.chunks_exact(e).zip(toks) {
                         out[tok * e..(tok + 1) * e]
                             .iter_mut()
@@ -464,16 +468,28 @@ impl Decoder {
 }
 
 /// Activations quantized once per format and shared by the projections reading them.
-#[derive(Default)]
 struct ActCache {
     block32: Option<QuantizedActs>,
     block256: Option<QuantizedActs>,
+    exact: bool,
 }
 
 impl ActCache {
+    fn new(exact: bool) -> ActCache {
+        ActCache {
+            block32: None,
+            block256: None,
+            exact,
+        }
+    }
+
     fn project(&mut self, w: &Linear, x: &[f32], k: usize) -> Vec<f32> {
         let t = x.len() / k;
         let mut out = vec![0f32; t * w.n_out()];
+        if self.exact {
+            matmul_with(w, x, None, &mut out, true);
+            return out;
+        }
         let acts = match ActFormat::for_weight(w.ty()) {
             ActFormat::F32 => None,
             ActFormat::Block32 => Some(
@@ -487,7 +503,7 @@ impl ActCache {
                     .get_or_insert_with(|| QuantizedActs::new(x, k, ActFormat::Block256)),
             ),
         };
-        matmul(w, x, acts, &mut out);
+        matmul_with(w, x, acts, &mut out, false);
         out
     }
 }

@@ -63,6 +63,7 @@ pub(super) fn load_with(
         activation: Activation::Silu,
         attn_scale: 1.0 / (hp.head_dim_k as f32).sqrt(),
         final_logit_softcap: None,
+        exact_activations: super::exact_activations_from_env(),
     })
 }
 

@@ -111,3 +111,8 @@ fn embeddings(
     };
     Ok((token_embd, src.vector("output_norm.weight", e)?, output))
 }
+
+/// `MEMRA_CPU_F32_ACTIVATIONS=1`: load decoders with [`Decoder::exact_activations`] on.
+pub(crate) fn exact_activations_from_env() -> bool {
+    std::env::var("MEMRA_CPU_F32_ACTIVATIONS").is_ok_and(|v| v == "1")
+}

@@ -26,6 +26,15 @@ pub enum ActFormat {
 
 impl ActFormat {
     pub fn for_weight(ty: GgmlType) -> ActFormat {
+        // A diagnostic: `MEMRA_CPU_F32_ACTIVATIONS=1` multiplies dequantized weights with
+        // unrounded f32 activations, the most precise reference the engine offers (slow);
+        // it tells rounding sensitivity from bugs (docs/cuda.md).
+        static F32_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *F32_ONLY
+            .get_or_init(|| std::env::var("MEMRA_CPU_F32_ACTIVATIONS").is_ok_and(|v| v == "1"))
+        {
+            return ActFormat::F32;
+        }
         match activation_type(ty) {
             Some(GgmlType::Q8_0 | GgmlType::Q8_1) => ActFormat::Block32,
             Some(GgmlType::Q8K) => ActFormat::Block256,
@@ -152,10 +161,27 @@ fn rows_per_task(n_out: usize, t: usize) -> usize {
 /// `out[t][r] = x[t] . w[r]` for every token `t` and row `r` (`out` is `t x n_out`).
 /// `acts` are `x` already quantized for this weight type (ignored for float weights).
 pub fn matmul(w: &dyn WeightRows, x: &[f32], acts: Option<&QuantizedActs>, out: &mut [f32]) {
+    matmul_with(w, x, acts, out, false)
+}
+
+/// [`matmul`], or with `exact` the dequantized weights times unrounded f32 activations:
+/// slower, and the most precise reference the engine has (it tells rounding sensitivity
+/// from bugs; docs/cuda.md).
+pub fn matmul_with(
+    w: &dyn WeightRows,
+    x: &[f32],
+    acts: Option<&QuantizedActs>,
+    out: &mut [f32],
+    exact: bool,
+) {
     let (k, n) = (w.n_in(), w.n_out());
     let t = x.len() / k;
     assert_eq!(out.len(), t * n);
-    let format = ActFormat::for_weight(w.ty());
+    let format = if exact {
+        ActFormat::F32
+    } else {
+        ActFormat::for_weight(w.ty())
+    };
     let owned;
     let acts = match (format, acts) {
         (ActFormat::F32, _) => None,

@@ -1,25 +1,45 @@
-//! The decoder on the GPU, one token at a time: weights uploaded in their quantized form,
-//! an f32 KV cache, and the kernels of this backend. It runs the same [`Decoder`] the CPU
-//! engine runs (every dense architecture), and is checked against it.
+//! The decoder on the GPU: the same [`Decoder`] the CPU engine runs (every dense
+//! architecture), with its weights uploaded in their quantized form and an f16 KV cache.
 //!
-//! First version: prompts go through token by token (no prompt GEMM yet), every kernel is
-//! launched eagerly (no CUDA graph yet), logits come back to the host each step.
+//! Two paths:
+//! - one token (decode): int8 activations and the `mmvq` kernels, split-K attention, the
+//!   greedy pick on the device; the whole step is a CUDA graph captured once and replayed
+//!   per token (`graph.rs`), so only the token id and position go in and one id (or the
+//!   logits, when the host samples) comes out;
+//! - several tokens (prompts, perplexity): batches of up to [`MAX_BATCH`] tokens through
+//!   f16 GEMMs (`gemm.rs`) on weights dequantized one matrix at a time into a scratch
+//!   buffer, and flash attention.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
+use half::f16;
 
-use super::matvec::{kernel_for, mmvq, DeviceActs};
-use super::ops::{self, DecodeAttention, DeviceRope};
+use super::gemm::Gemm;
+use super::graph::DecodeGraph;
+use super::matvec::{kernel_for, mmvq, mmvq_set, DeviceActs};
+use super::ops::{self, AttentionShape, DeviceRope, MAX_SPLITS};
 use super::{CudaDevice, CudaError};
 use crate::backend::cpu::matmul::WeightRows;
 use crate::backend::cpu::ops::RopeLayout;
 use crate::models::layers::{Activation, Decoder, Ffn};
 use crate::models::weights::Linear;
+use crate::models::LogitRows;
+
+/// Tokens per prompt batch (llama.cpp's default micro-batch).
+pub const MAX_BATCH: usize = 512;
 
 struct GpuLinear {
     w: CudaSlice<u8>,
     ty: memra_gguf::GgmlType,
     n_in: usize,
     n_out: usize,
+}
+
+impl GpuLinear {
+    fn row_bytes(&self) -> usize {
+        self.ty
+            .row_bytes(self.n_in as u64)
+            .expect("checked at upload") as usize
+    }
 }
 
 struct GpuLayer {
@@ -40,39 +60,79 @@ struct GpuLayer {
     down: GpuLinear,
     post_ffn_norm: Option<CudaSlice<f32>>,
     rope: DeviceRope,
-    window: Option<usize>,
+    attn: AttentionShape,
 }
 
-/// Per-step buffers, allocated once.
-struct Scratch {
-    x: CudaSlice<f32>,
+/// Buffers of the decode step, allocated once (a captured graph points into them).
+struct StepBuffers {
+    /// The token id and its position, written by the host before each step.
+    args: CudaSlice<i32>,
+    /// The residual stream, in two buffers that take turns (the fused add + norm reads one
+    /// and writes the other).
+    x: [CudaSlice<f32>; 2],
     q: CudaSlice<f32>,
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
     o: CudaSlice<f32>,
     g: CudaSlice<f32>,
     u: CudaSlice<f32>,
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
     logits: CudaSlice<f32>,
+    best: CudaSlice<i32>,
+    best_parts: ops::ArgmaxParts,
     acts: DeviceActs,
 }
 
-/// Copies an f32 vector to the device, counting the bytes.
-type Upload<'a> = dyn FnMut(&[f32]) -> Result<CudaSlice<f32>, CudaError> + 'a;
+/// Buffers of prompt batches, allocated at the first batch.
+struct BatchBuffers {
+    ids: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    x: CudaSlice<f32>,
+    /// f16 GEMM inputs: normed rows, attention output, gated activations.
+    xh: CudaSlice<f16>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    g: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    /// Per-row factors undoing the f16 range scaling of the gated activations.
+    row_scale: CudaSlice<f32>,
+    /// One weight matrix dequantized to f16.
+    w: CudaSlice<f16>,
+    gemm: Gemm,
+    /// Logits of the rows asked for (grown as needed).
+    logits: Option<CudaSlice<f32>>,
+}
 
 pub struct GpuDecoder<'m> {
     dev: CudaDevice,
     model: &'m Decoder,
     layers: Vec<GpuLayer>,
+    token_embd: GpuLinear,
     output_norm: CudaSlice<f32>,
     output: GpuLinear,
-    k_cache: Vec<CudaSlice<f32>>,
-    v_cache: Vec<CudaSlice<f32>>,
-    scratch: Scratch,
+    k_cache: Vec<CudaSlice<f16>>,
+    v_cache: Vec<CudaSlice<f16>>,
+    step: StepBuffers,
+    batch: Option<BatchBuffers>,
+    graph: Option<DecodeGraph>,
+    /// Replay a captured graph per token (off: launch every kernel; `MEMRA_CUDA_GRAPH=0`).
+    use_graph: bool,
+    /// Decode steps run eagerly so far (the graph is captured after the first).
+    eager_steps: usize,
     n_ctx: usize,
     len: usize,
-    /// Device bytes held: weights, cache and scratch.
-    pub device_bytes: usize,
+    /// Device bytes: weights, KV cache, buffers (the batch buffers once allocated).
+    pub weight_bytes: usize,
+    pub cache_bytes: usize,
+    pub buffer_bytes: usize,
+}
+
+/// Device bytes of a buffer.
+fn bytes_of<T>(s: &CudaSlice<T>) -> usize {
+    s.len() * std::mem::size_of::<T>()
 }
 
 impl<'m> GpuDecoder<'m> {
@@ -84,7 +144,14 @@ impl<'m> GpuDecoder<'m> {
     ) -> Result<GpuDecoder<'m>, CudaError> {
         let dev = CudaDevice::new(ordinal)?;
         let hp = &model.hp;
-        let mut weight_bytes = model.output.bytes().len();
+        if hp.head_dim_k != hp.head_dim_v {
+            return Err(CudaError::Invalid(format!(
+                "key and value heads of different widths ({} and {})",
+                hp.head_dim_k, hp.head_dim_v
+            )));
+        }
+        let hd = hp.head_dim_k;
+        let mut weight_bytes = model.output.bytes().len() + model.token_embd.bytes().len();
         for l in &model.layers {
             weight_bytes += [&l.wq, &l.wk, &l.wv, &l.wo]
                 .iter()
@@ -94,20 +161,21 @@ impl<'m> GpuDecoder<'m> {
                 weight_bytes += gate.bytes().len() + up.bytes().len() + down.bytes().len();
             }
         }
-        let cache_bytes = 4 * n_ctx * hp.n_layer * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v);
+        let cache_bytes = 2 * 2 * n_ctx * hp.n_layer * hp.n_head_kv * hd;
         let (free, _) = dev.ctx.mem_get_info()?;
         if weight_bytes + cache_bytes > free {
             return Err(CudaError::Invalid(format!(
-                "the model needs at least {} MiB of GPU memory ({} MiB weights, {} MiB KV cache); {} MiB are free",
+                "the model needs at least {} MiB of GPU memory ({} MiB weights, {} MiB KV cache \
+                 for {n_ctx} positions); {} MiB are free (a smaller context, -c, needs less)",
                 (weight_bytes + cache_bytes) >> 20,
                 weight_bytes >> 20,
                 cache_bytes >> 20,
                 free >> 20
             )));
         }
-        let mut bytes = 0usize;
+        let mut small = 0usize;
         let mut up_f32 = |v: &[f32]| -> Result<CudaSlice<f32>, CudaError> {
-            bytes += 4 * v.len();
+            small += 4 * v.len();
             Ok(dev.stream.clone_htod(v)?)
         };
         let mut linears = 0usize;
@@ -117,6 +185,12 @@ impl<'m> GpuDecoder<'m> {
                     op: "matvec",
                     ty: l.ty(),
                 });
+            }
+            if l.n_in() % 32 != 0 {
+                return Err(CudaError::Invalid(format!(
+                    "rows of {} weights (the kernels take multiples of 32)",
+                    l.n_in()
+                )));
             }
             linears += l.bytes().len();
             Ok(GpuLinear {
@@ -133,7 +207,16 @@ impl<'m> GpuDecoder<'m> {
                     "mixture-of-experts layers do not run on the GPU yet".into(),
                 ));
             };
+            type Upload<'a> = dyn FnMut(&[f32]) -> Result<CudaSlice<f32>, CudaError> + 'a;
             let opt = |v: &Option<Vec<f32>>, up: &mut Upload| v.as_deref().map(up).transpose();
+            let attn = AttentionShape {
+                n_head: hp.n_head,
+                n_head_kv: hp.n_head_kv,
+                head_dim: hd,
+                scale: model.attn_scale,
+                window: l.window.unwrap_or(0),
+            };
+            attn.supported()?;
             layers.push(GpuLayer {
                 attn_norm: up_f32(&l.attn_norm)?,
                 wq: upload(&l.wq)?,
@@ -158,48 +241,70 @@ impl<'m> GpuDecoder<'m> {
                     freq_scale: l.rope.freq_scale,
                     freq_factors: opt(&l.rope.freq_factors, &mut up_f32)?,
                 },
-                window: l.window,
+                attn,
             });
         }
         let output_norm = up_f32(&model.output_norm)?;
         let output = upload(&model.output)?;
-        let kv_k = n_ctx * hp.n_head_kv * hp.head_dim_k;
-        let kv_v = n_ctx * hp.n_head_kv * hp.head_dim_v;
+        let token_embd = upload(&model.token_embd)?;
+        let kv = n_ctx * hp.n_head_kv * hd;
         let mut k_cache = Vec::with_capacity(hp.n_layer);
         let mut v_cache = Vec::with_capacity(hp.n_layer);
         for _ in 0..hp.n_layer {
-            k_cache.push(dev.stream.alloc_zeros(kv_k)?);
-            v_cache.push(dev.stream.alloc_zeros(kv_v)?);
+            k_cache.push(dev.stream.alloc_zeros(kv)?);
+            v_cache.push(dev.stream.alloc_zeros(kv)?);
         }
         let (e, f) = (hp.n_embd, layers.first().map_or(0, |l| l.gate.n_out));
-        let q_len = hp.n_head * hp.head_dim_k;
-        let widest = e.max(f).max(hp.n_head * hp.head_dim_v);
+        let q_len = hp.n_head * hd;
+        let widest = e.max(f).max(q_len);
         let s = &dev.stream;
-        let scratch = Scratch {
-            x: s.alloc_zeros(e)?,
+        let step = StepBuffers {
+            args: s.alloc_zeros(2)?,
+            x: [s.alloc_zeros(e)?, s.alloc_zeros(e)?],
             q: s.alloc_zeros(q_len)?,
-            k: s.alloc_zeros(hp.n_head_kv * hp.head_dim_k)?,
-            v: s.alloc_zeros(hp.n_head_kv * hp.head_dim_v)?,
-            attn: s.alloc_zeros(hp.n_head * hp.head_dim_v)?,
+            k: s.alloc_zeros(hp.n_head_kv * hd)?,
+            v: s.alloc_zeros(hp.n_head_kv * hd)?,
             o: s.alloc_zeros(e)?,
             g: s.alloc_zeros(f.max(1))?,
             u: s.alloc_zeros(f.max(1))?,
+            part_o: s.alloc_zeros(MAX_SPLITS * q_len)?,
+            part_ml: s.alloc_zeros(MAX_SPLITS * hp.n_head * 2)?,
             logits: s.alloc_zeros(hp.n_vocab)?,
+            best: s.alloc_zeros(1)?,
+            best_parts: ops::ArgmaxParts::new(&dev)?,
             acts: DeviceActs::new(&dev, widest.div_ceil(32) * 32)?,
         };
-        let device_bytes = bytes + linears + 4 * (kv_k + kv_v) * hp.n_layer;
+        let buffer_bytes = small
+            + [
+                &step.x[0], &step.x[1], &step.q, &step.k, &step.v, &step.o, &step.g, &step.u,
+            ]
+            .iter()
+            .map(|b| bytes_of(b))
+            .sum::<usize>()
+            + bytes_of(&step.part_o)
+            + bytes_of(&step.part_ml)
+            + bytes_of(&step.logits)
+            + widest * 3;
+        let use_graph = std::env::var("MEMRA_CUDA_GRAPH").map_or(true, |v| v != "0");
         Ok(GpuDecoder {
             dev,
             model,
             layers,
+            token_embd,
             output_norm,
             output,
             k_cache,
             v_cache,
-            scratch,
+            step,
+            batch: None,
+            graph: None,
+            use_graph,
+            eager_steps: 0,
             n_ctx,
             len: 0,
-            device_bytes,
+            weight_bytes: linears,
+            cache_bytes: 2 * 2 * kv * hp.n_layer,
+            buffer_bytes,
         })
     }
 
@@ -220,74 +325,164 @@ impl<'m> GpuDecoder<'m> {
         self.len = 0;
     }
 
-    fn matvec(
-        dev: &CudaDevice,
-        w: &GpuLinear,
-        acts: &mut DeviceActs,
-        x: &CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        acts.quantize(dev, x, w.n_in)?;
-        mmvq(dev, w.ty, &w.w, acts, y, w.n_in, w.n_out, 1)
+    /// What this decoder holds on the device, and what the driver counts in use on the
+    /// GPU (that adds the CUDA context and cuBLAS's workspace, and other processes' use).
+    pub fn memory_report(&self) -> String {
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        let held = self.weight_bytes + self.cache_bytes + self.buffer_bytes;
+        let driver = match self.dev.ctx.mem_get_info() {
+            Ok((free, total)) => format!("; the driver counts {:.0} MiB in use", mib(total - free)),
+            Err(_) => String::new(),
+        };
+        format!(
+            "gpu memory: {:.0} MiB held: weights {:.0} MiB, KV cache {:.0} MiB (f16, {} positions), \
+             buffers {:.0} MiB{driver}",
+            mib(held),
+            mib(self.weight_bytes),
+            mib(self.cache_bytes),
+            self.n_ctx,
+            mib(self.buffer_bytes),
+        )
     }
 
-    /// Runs one token at the next position; returns its logits.
-    pub fn forward_token(&mut self, id: u32) -> Result<Vec<f32>, CudaError> {
-        let m = self.model;
-        let hp = &m.hp;
-        if self.len >= self.n_ctx {
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), CudaError> {
+        if self.len + tokens.len() > self.n_ctx {
             return Err(CudaError::Invalid(format!(
                 "the context is full ({} positions)",
                 self.n_ctx
             )));
         }
-        if id as usize >= hp.n_vocab {
+        let n_vocab = self.model.hp.n_vocab;
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= n_vocab) {
             return Err(CudaError::Invalid(format!(
-                "token id {id} outside the vocabulary"
+                "token id {bad} outside the vocabulary"
             )));
         }
-        let pos = self.len;
-        let dev = &self.dev;
-        let s = &mut self.scratch;
-        dev.stream.memcpy_htod(&m.embed(id), &mut s.x)?;
-        let (e, dk, dv) = (hp.n_embd, hp.head_dim_k, hp.head_dim_v);
-        let (kr, vr) = (hp.n_head_kv * dk, hp.n_head_kv * dv);
-        let shape = DecodeAttention {
-            n_head: hp.n_head,
-            n_head_kv: hp.n_head_kv,
-            dk,
-            dv,
-            scale: m.attn_scale,
+        Ok(())
+    }
+
+    /// Runs `tokens` at the next positions; returns the logits of `rows` (`rows x n_vocab`).
+    pub fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, CudaError> {
+        self.check_tokens(tokens)?;
+        if tokens.is_empty() {
+            return Err(CudaError::Invalid("no tokens".into()));
+        }
+        if tokens.len() == 1 && matches!(rows, LogitRows::Last | LogitRows::From(0)) {
+            self.decode_step(tokens[0])?;
+            return self.step_logits();
+        }
+        let from = match rows {
+            LogitRows::Last => tokens.len() - 1,
+            LogitRows::From(k) => k.min(tokens.len()),
         };
-        // The output of the previous block, still to be added to the residual stream: each
-        // add goes into the launch that normalizes and quantizes the next input.
+        let mut logits = Vec::new();
+        for (c, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
+            let (start, end) = (c * MAX_BATCH, c * MAX_BATCH + chunk.len());
+            let wanted = if from >= end {
+                BatchLogits::None
+            } else if matches!(rows, LogitRows::Last) {
+                BatchLogits::Last
+            } else {
+                BatchLogits::From(from.max(start) - start)
+            };
+            logits.append(&mut self.forward_batch(chunk, wanted)?);
+        }
+        Ok(logits)
+    }
+
+    /// One token: returns the best token id of the next position (computed on the device).
+    pub fn forward_greedy(&mut self, token: u32) -> Result<u32, CudaError> {
+        self.check_tokens(&[token])?;
+        self.decode_step(token)?;
+        let best = self.dev.stream.clone_dtoh(&self.step.best)?;
+        Ok(best[0] as u32)
+    }
+
+    fn step_logits(&mut self) -> Result<Vec<f32>, CudaError> {
+        let mut logits = self.dev.stream.clone_dtoh(&self.step.logits)?;
+        self.softcap(&mut logits);
+        Ok(logits)
+    }
+
+    fn softcap(&self, logits: &mut [f32]) {
+        if let Some(cap) = self.model.final_logit_softcap {
+            logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        }
+    }
+
+    /// One decode step at position `len`: by the captured graph, or eagerly.
+    fn decode_step(&mut self, token: u32) -> Result<(), CudaError> {
+        let pos = self.len;
+        let n_split = ops::decode_splits(pos + 1);
+        self.dev
+            .stream
+            .memcpy_htod(&[token as i32, pos as i32], &mut self.step.args)?;
+        if !self.use_graph || self.eager_steps == 0 {
+            // The first step runs eagerly: it loads every kernel and surfaces any error
+            // outside a capture.
+            self.record_step(n_split)?;
+            self.eager_steps += 1;
+        } else {
+            if self.graph.is_none() {
+                let attention: Vec<_> = [32, 64, 128, 256]
+                    .iter()
+                    .map(|&d| {
+                        Ok(self
+                            .dev
+                            .function("attention", ops::decode_kernel(d))?
+                            .cu_function())
+                    })
+                    .collect::<Result<_, CudaError>>()?;
+                let combine = self
+                    .dev
+                    .function("attention", "attn_combine")?
+                    .cu_function();
+                let dev = &self.dev as *const CudaDevice;
+                // SAFETY: `record_step` borrows self mutably inside the closure; the device
+                // reference it captures is only used to begin and end the capture around it.
+                let graph =
+                    DecodeGraph::capture(unsafe { &*dev }, n_split, &attention, combine, || {
+                        self.record_step(n_split)
+                    })?;
+                self.graph = Some(graph);
+            }
+            let graph = self.graph.as_mut().expect("captured above");
+            graph.set_splits(n_split)?;
+            graph.launch()?;
+        }
+        self.len += 1;
+        Ok(())
+    }
+
+    /// Launches the kernels of one decode step (what the graph captures): the token and
+    /// position come from `step.args` on the device.
+    fn record_step(&mut self, n_split: usize) -> Result<(), CudaError> {
+        let m = self.model;
+        let hp = &m.hp;
+        let dev = &self.dev;
+        let s = &mut self.step;
+        let e = hp.n_embd;
+        let id = s.args.slice(0..1);
+        let pos = s.args.slice(1..2);
+        let embd_scale = m.embd_scale.unwrap_or(1.0);
+        let te = &self.token_embd;
+        let [xa, xb] = &mut s.x;
+        ops::embed_rows(dev, &te.w, te.ty, &id, xa, e, 1, embd_scale)?;
+        // The residual stream moves from one buffer to the other at every add.
+        let (mut x, mut x_next) = (xa, xb);
         let mut pending = false;
         for (li, l) in self.layers.iter().enumerate() {
-            s.acts.add_norm_quantize(
+            let o = pending.then_some(&s.o);
+            s.acts
+                .add_norm_quantize(dev, x, o, x_next, &l.attn_norm, hp.rms_eps)?;
+            std::mem::swap(&mut x, &mut x_next);
+            matvecs(
                 dev,
-                &mut s.x,
-                pending.then_some(&s.o),
-                &l.attn_norm,
-                hp.rms_eps,
+                &s.acts,
+                e,
+                [(&l.wq, &mut s.q), (&l.wk, &mut s.k), (&l.wv, &mut s.v)],
             )?;
-            mmvq(dev, l.wq.ty, &l.wq.w, &s.acts, &mut s.q, e, l.wq.n_out, 1)?;
-            mmvq(dev, l.wk.ty, &l.wk.w, &s.acts, &mut s.k, e, l.wk.n_out, 1)?;
-            mmvq(dev, l.wv.ty, &l.wv.w, &s.acts, &mut s.v, e, l.wv.n_out, 1)?;
-            if let Some(b) = &l.bq {
-                ops::add_bias(dev, &mut s.q, b, b.len())?;
-            }
-            if let Some(b) = &l.bk {
-                ops::add_bias(dev, &mut s.k, b, b.len())?;
-            }
-            if let Some(b) = &l.bv {
-                ops::add_bias(dev, &mut s.v, b, b.len())?;
-            }
-            if let Some(w) = &l.q_norm {
-                ops::rms_norm_inplace(dev, &mut s.q, w, hp.n_head, hp.rms_eps)?;
-            }
-            if let Some(w) = &l.k_norm {
-                ops::rms_norm_inplace(dev, &mut s.k, w, hp.n_head_kv, hp.rms_eps)?;
-            }
+            Self::qk_extras(dev, l, &mut s.q, &mut s.k, &mut s.v, 1, hp.rms_eps)?;
             ops::rope_qk_append(
                 dev,
                 &mut s.q,
@@ -295,38 +490,33 @@ impl<'m> GpuDecoder<'m> {
                 &s.v,
                 &mut self.k_cache[li],
                 &mut self.v_cache[li],
-                &shape,
+                &l.attn,
                 &l.rope,
-                pos,
+                &pos,
+                1,
+                self.n_ctx,
             )?;
-            let first = l.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             ops::attention_decode(
                 dev,
-                &shape,
+                &l.attn,
                 &s.q,
-                &self.k_cache[li].slice(..(pos + 1) * kr),
-                &self.v_cache[li].slice(..(pos + 1) * vr),
-                &mut s.attn,
-                first,
-                pos + 1,
+                &self.k_cache[li],
+                &self.v_cache[li],
+                &mut s.part_o,
+                &mut s.part_ml,
+                &pos,
+                n_split,
             )?;
-            Self::matvec(dev, &l.wo, &mut s.acts, &s.attn, &mut s.o)?;
+            ops::attention_combine(dev, &l.attn, &s.part_o, &s.part_ml, &mut s.acts, n_split)?;
+            let wo = &l.wo;
+            mmvq(dev, wo.ty, &wo.w, &s.acts, &mut s.o, wo.n_in, wo.n_out, 1)?;
             if let Some(w) = &l.post_attn_norm {
                 ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
             }
             s.acts
-                .add_norm_quantize(dev, &mut s.x, Some(&s.o), &l.ffn_norm, hp.rms_eps)?;
-            mmvq(
-                dev,
-                l.gate.ty,
-                &l.gate.w,
-                &s.acts,
-                &mut s.g,
-                e,
-                l.gate.n_out,
-                1,
-            )?;
-            mmvq(dev, l.up.ty, &l.up.w, &s.acts, &mut s.u, e, l.up.n_out, 1)?;
+                .add_norm_quantize(dev, x, Some(&s.o), x_next, &l.ffn_norm, hp.rms_eps)?;
+            std::mem::swap(&mut x, &mut x_next);
+            matvecs(dev, &s.acts, e, [(&l.gate, &mut s.g), (&l.up, &mut s.u)])?;
             let gelu = m.activation == Activation::GeluTanh;
             s.acts.gated_quantize(dev, &s.g, &s.u, l.gate.n_out, gelu)?;
             let down = &l.down;
@@ -338,13 +528,9 @@ impl<'m> GpuDecoder<'m> {
             }
             pending = true;
         }
-        s.acts.add_norm_quantize(
-            dev,
-            &mut s.x,
-            pending.then_some(&s.o),
-            &self.output_norm,
-            hp.rms_eps,
-        )?;
+        let o = pending.then_some(&s.o);
+        s.acts
+            .add_norm_quantize(dev, x, o, x_next, &self.output_norm, hp.rms_eps)?;
         let out = &self.output;
         mmvq(
             dev,
@@ -356,74 +542,507 @@ impl<'m> GpuDecoder<'m> {
             out.n_out,
             1,
         )?;
-        let mut logits = dev.stream.clone_dtoh(&s.logits)?;
-        if let Some(cap) = m.final_logit_softcap {
-            logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        ops::argmax(dev, &s.logits, hp.n_vocab, &mut s.best_parts, &mut s.best)
+    }
+
+    /// Biases and QK-norms of `n` tokens' q, k, v, where the architecture has them.
+    fn qk_extras(
+        dev: &CudaDevice,
+        l: &GpuLayer,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        n: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        for (b, y) in [(&l.bq, &mut *q), (&l.bk, &mut *k), (&l.bv, &mut *v)] {
+            if let Some(b) = b {
+                ops::add_bias(dev, y, b, n * b.len())?;
+            }
         }
-        self.len += 1;
-        Ok(logits)
+        let (nh, nkv) = (l.attn.n_head, l.attn.n_head_kv);
+        if let Some(w) = &l.q_norm {
+            ops::rms_norm_inplace(dev, q, w, n * nh, eps)?;
+        }
+        if let Some(w) = &l.k_norm {
+            ops::rms_norm_inplace(dev, k, w, n * nkv, eps)?;
+        }
+        Ok(())
+    }
+
+    fn batch_buffers(&mut self) -> Result<&mut BatchBuffers, CudaError> {
+        if self.batch.is_none() {
+            let hp = &self.model.hp;
+            let (b, e, hd) = (MAX_BATCH, hp.n_embd, hp.head_dim_k);
+            let f = self.layers.first().map_or(1, |l| l.gate.n_out);
+            let q_len = hp.n_head * hd;
+            let kv_len = hp.n_head_kv * hd;
+            // The largest layer matrix; the output and embedding matrices go in row chunks.
+            let w_max = self
+                .layers
+                .iter()
+                .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+                .map(|w| w.n_in * w.n_out)
+                .max()
+                .unwrap_or(0)
+                .max(self.output.n_in * 1024);
+            let s = &self.dev.stream;
+            let buffers = BatchBuffers {
+                ids: s.alloc_zeros(b)?,
+                pos: s.alloc_zeros(1)?,
+                x: s.alloc_zeros(b * e)?,
+                xh: s.alloc_zeros(b * e.max(f).max(q_len))?,
+                q: s.alloc_zeros(b * q_len)?,
+                k: s.alloc_zeros(b * kv_len)?,
+                v: s.alloc_zeros(b * kv_len)?,
+                o: s.alloc_zeros(b * e)?,
+                g: s.alloc_zeros(b * f)?,
+                u: s.alloc_zeros(b * f)?,
+                row_scale: s.alloc_zeros(b)?,
+                w: s.alloc_zeros(w_max)?,
+                gemm: Gemm::new(&self.dev)?,
+                logits: None,
+            };
+            self.buffer_bytes += bytes_of(&buffers.x)
+                + bytes_of(&buffers.xh)
+                + bytes_of(&buffers.q)
+                + 2 * bytes_of(&buffers.k)
+                + bytes_of(&buffers.o)
+                + 2 * bytes_of(&buffers.g)
+                + bytes_of(&buffers.w);
+            self.batch = Some(buffers);
+        }
+        Ok(self.batch.as_mut().expect("allocated above"))
+    }
+
+    /// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T` through f16 weights: F16 weights as
+    /// they are, any other type dequantized into the scratch buffer first.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        dev: &CudaDevice,
+        gemm: &Gemm,
+        scratch: &mut CudaSlice<f16>,
+        w: &GpuLinear,
+        x: &CudaView<f16>,
+        y: &mut CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        Self::linear_rows(dev, gemm, scratch, w, x, y, n, 0, w.n_out, w.n_out)
+    }
+
+    /// Rows `r0..r1` of `w` only, into columns `r0..r1` of `y` (rows of `ldc`).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_rows(
+        dev: &CudaDevice,
+        gemm: &Gemm,
+        scratch: &mut CudaSlice<f16>,
+        w: &GpuLinear,
+        x: &CudaView<f16>,
+        y: &mut CudaSlice<f32>,
+        n: usize,
+        r0: usize,
+        r1: usize,
+        ldc: usize,
+    ) -> Result<(), CudaError> {
+        let rb = w.row_bytes();
+        let rows = w.w.slice(r0 * rb..r1 * rb);
+        let m = r1 - r0;
+        if w.ty == memra_gguf::GgmlType::F16 {
+            return gemm.f16_f32(dev, &rows, x, y, r0, m, n, w.n_in, ldc);
+        }
+        let mut dq = scratch.slice_mut(..m * w.n_in);
+        ops::dequantize_f16(dev, &rows, w.ty, &mut dq, m, w.n_in)?;
+        gemm.f16_f32(
+            dev,
+            &scratch.slice(..m * w.n_in),
+            x,
+            y,
+            r0,
+            m,
+            n,
+            w.n_in,
+            ldc,
+        )
+    }
+
+    /// A batch of up to MAX_BATCH tokens at the next positions; returns the logits asked.
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        wanted: BatchLogits,
+    ) -> Result<Vec<f32>, CudaError> {
+        let n = tokens.len();
+        let pos0 = self.len;
+        self.batch_buffers()?;
+        let m = self.model;
+        let hp = &m.hp;
+        let e = hp.n_embd;
+        let dev = &self.dev;
+        let b = self.batch.as_mut().expect("allocated above");
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        dev.stream.memcpy_htod(&ids, &mut b.ids)?;
+        dev.stream.memcpy_htod(&[pos0 as i32], &mut b.pos)?;
+        let te = &self.token_embd;
+        let scale = m.embd_scale.unwrap_or(1.0);
+        ops::embed_rows(dev, &te.w, te.ty, &b.ids.slice(..n), &mut b.x, e, n, scale)?;
+        let pos = b.pos.slice(0..1);
+        let mut pending = false;
+        for (li, l) in self.layers.iter().enumerate() {
+            let o = pending.then_some(&b.o);
+            ops::add_norm_f16(dev, &mut b.x, o, &l.attn_norm, &mut b.xh, n, hp.rms_eps)?;
+            let xh = b.xh.slice(..n * e);
+            Self::linear(dev, &b.gemm, &mut b.w, &l.wq, &xh, &mut b.q, n)?;
+            Self::linear(dev, &b.gemm, &mut b.w, &l.wk, &xh, &mut b.k, n)?;
+            Self::linear(dev, &b.gemm, &mut b.w, &l.wv, &xh, &mut b.v, n)?;
+            Self::qk_extras(dev, l, &mut b.q, &mut b.k, &mut b.v, n, hp.rms_eps)?;
+            ops::rope_qk_append(
+                dev,
+                &mut b.q,
+                &b.k,
+                &b.v,
+                &mut self.k_cache[li],
+                &mut self.v_cache[li],
+                &l.attn,
+                &l.rope,
+                &pos,
+                n,
+                pos0 + n,
+            )?;
+            ops::attention_prefill(
+                dev,
+                &l.attn,
+                &b.q,
+                &self.k_cache[li],
+                &self.v_cache[li],
+                &mut b.xh,
+                &pos,
+                n,
+            )?;
+            let xh = b.xh.slice(..n * l.wo.n_in);
+            Self::linear(dev, &b.gemm, &mut b.w, &l.wo, &xh, &mut b.o, n)?;
+            if let Some(w) = &l.post_attn_norm {
+                ops::rms_norm_inplace(dev, &mut b.o, w, n, hp.rms_eps)?;
+            }
+            ops::add_norm_f16(
+                dev,
+                &mut b.x,
+                Some(&b.o),
+                &l.ffn_norm,
+                &mut b.xh,
+                n,
+                hp.rms_eps,
+            )?;
+            let xh = b.xh.slice(..n * e);
+            Self::linear(dev, &b.gemm, &mut b.w, &l.gate, &xh, &mut b.g, n)?;
+            Self::linear(dev, &b.gemm, &mut b.w, &l.up, &xh, &mut b.u, n)?;
+            let f = l.gate.n_out;
+            let gelu = m.activation == Activation::GeluTanh;
+            ops::gated_f16(dev, &b.g, &b.u, &mut b.xh, &mut b.row_scale, n, f, gelu)?;
+            let xh = b.xh.slice(..n * f);
+            Self::linear(dev, &b.gemm, &mut b.w, &l.down, &xh, &mut b.o, n)?;
+            ops::scale_rows(dev, &mut b.o, &b.row_scale, n, e)?;
+            if let Some(w) = &l.post_ffn_norm {
+                ops::rms_norm_inplace(dev, &mut b.o, w, n, hp.rms_eps)?;
+            }
+            pending = true;
+        }
+        self.len += n;
+        let out = &self.output;
+        let nv = hp.n_vocab;
+        let want = match wanted {
+            BatchLogits::None => return Ok(Vec::new()),
+            BatchLogits::From(k) => k,
+            BatchLogits::Last => {
+                // The last row alone, through the decode kernels (no dequantized output
+                // matrix): its residual stream into the step buffers.
+                let s = &mut self.step;
+                let last = (n - 1) * e..n * e;
+                let [xa, xb] = &mut s.x;
+                dev.stream.memcpy_dtod(&b.x.slice(last.clone()), xa)?;
+                dev.stream.memcpy_dtod(&b.o.slice(last), &mut s.o)?;
+                let o = pending.then_some(&s.o);
+                s.acts
+                    .add_norm_quantize(dev, xa, o, xb, &self.output_norm, hp.rms_eps)?;
+                mmvq(
+                    dev,
+                    out.ty,
+                    &out.w,
+                    &s.acts,
+                    &mut s.logits,
+                    out.n_in,
+                    out.n_out,
+                    1,
+                )?;
+                return self.step_logits();
+            }
+        };
+        let rows = n - want;
+        let o = pending.then_some(&b.o);
+        ops::add_norm_f16(
+            dev,
+            &mut b.x,
+            o,
+            &self.output_norm,
+            &mut b.xh,
+            n,
+            hp.rms_eps,
+        )?;
+        if b.logits.as_ref().is_none_or(|l| l.len() < rows * nv) {
+            b.logits = Some(dev.stream.alloc_zeros(rows * nv)?);
+            self.buffer_bytes += rows * nv * 4;
+        }
+        let logits = b.logits.as_mut().expect("allocated above");
+        let xh = b.xh.slice(want * e..n * e);
+        // The output matrix in chunks of rows that fit the scratch buffer.
+        let chunk = (b.w.len() / out.n_in).max(1);
+        for r0 in (0..nv).step_by(chunk) {
+            let r1 = (r0 + chunk).min(nv);
+            Self::linear_rows(dev, &b.gemm, &mut b.w, out, &xh, logits, rows, r0, r1, nv)?;
+        }
+        let mut host = dev.stream.clone_dtoh(&logits.slice(..rows * nv))?;
+        self.softcap(&mut host);
+        Ok(host)
     }
 }
 
+/// Decode products of `N` matrices with the same input: those of one weight type share a
+/// launch (q, k and v; gate and up), so small matrices do not leave the GPU idle.
+fn matvecs<const N: usize>(
+    dev: &CudaDevice,
+    acts: &DeviceActs,
+    ncols: usize,
+    mats: [(&GpuLinear, &mut CudaSlice<f32>); N],
+) -> Result<(), CudaError> {
+    let mut pending: Vec<(&GpuLinear, &mut CudaSlice<f32>)> = mats.into_iter().collect();
+    while let Some(ty) = pending.first().map(|(w, _)| w.ty) {
+        let (same, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|(w, _)| w.ty == ty);
+        let mut set: Vec<_> = same.into_iter().map(|(w, y)| (&w.w, y, w.n_out)).collect();
+        mmvq_set(dev, ty, &mut set, acts, ncols, 1)?;
+        pending = rest;
+    }
+    Ok(())
+}
+
+/// Which logits a prompt batch returns.
+enum BatchLogits {
+    None,
+    Last,
+    /// Rows from this index of the batch on.
+    From(usize),
+}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::{LogitRows, Model};
+    use crate::generate::{perplexity, CpuRunner, Runner};
+    use crate::models::Model;
 
     fn rms(v: impl Iterator<Item = f64>) -> f64 {
         let (s, n) = v.fold((0f64, 0usize), |(s, n), x| (s + x * x, n + 1));
         (s / n.max(1) as f64).sqrt()
     }
 
-    /// GPU logits against the CPU engine's, step by step on the same tokens, for the models
-    /// in `MEMRA_GPU_TEST_MODELS` (comma-separated paths; scripts/device-check.sh makes
-    /// synthetic ones). The engines quantize activations differently (CPU: llama.cpp's
-    /// Q8_0/Q8_K; GPU: int8 per 32 with an f32 scale), so logits differ by rounding; the
-    /// best token must agree wherever the CPU's margin between its two best clearly exceeds
-    /// that difference.
+    /// Models for the GPU model tests: `MEMRA_GPU_TEST_MODELS` (comma-separated paths;
+    /// scripts/device-check.sh passes the tiny models and synthetic ones).
+    fn test_models() -> Vec<String> {
+        std::env::var("MEMRA_GPU_TEST_MODELS")
+            .expect("MEMRA_GPU_TEST_MODELS")
+            .split(',')
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Compares rows of logits; a best token may differ only where the CPU's margin
+    /// between its two best is within `4 x` the rows' RMS difference (a near tie).
+    /// Returns (worst relative RMS difference, rows whose best token agrees, failures).
+    fn compare_rows(
+        what: &str,
+        cpu: &[f32],
+        gpu: &[f32],
+        n_vocab: usize,
+    ) -> (f64, usize, Vec<String>) {
+        let (mut worst, mut agree, mut failures) = (0f64, 0, Vec::new());
+        assert_eq!(cpu.len(), gpu.len(), "{what}: logit counts");
+        for (r, (c, g)) in cpu.chunks(n_vocab).zip(gpu.chunks(n_vocab)).enumerate() {
+            let diff = rms(c.iter().zip(g).map(|(a, b)| f64::from(a - b)));
+            worst = worst.max(diff / rms(c.iter().map(|&a| f64::from(a))));
+            let best = |v: &[f32]| crate::sampler::argmax(v) as usize;
+            if best(c) == best(g) {
+                agree += 1;
+                continue;
+            }
+            let mut rest = c.to_vec();
+            rest[best(c)] = f32::NEG_INFINITY;
+            let margin = f64::from(c[best(c)] - rest[best(&rest)]);
+            if margin > 4.0 * diff {
+                failures.push(format!(
+                    "{what}: row {r}: best tokens differ at a margin of {margin:.4} (RMS difference {diff:.4})"
+                ));
+            }
+        }
+        (worst, agree, failures)
+    }
+
+    const TEXT: &str = "Hello world, this is a test of the decoder. The quick brown fox jumps \
+        over the lazy dog; it was the best of times, it was the worst of times.";
+
+    /// The rows' worst relative RMS difference, and those failures where best tokens differ
+    /// beyond a near tie.
+    fn check(
+        what: &str,
+        reference: &[f32],
+        got: &[f32],
+        nv: usize,
+        failures: &mut Vec<String>,
+    ) -> f64 {
+        let (worst, _, mut f) = compare_rows(what, reference, got, nv);
+        failures.append(&mut f);
+        worst
+    }
+
+    /// GPU logits against the CPU engine's: the tokens as one prompt batch with every row's
+    /// logits (the GEMM and flash attention path), and one token at a time (the decode
+    /// graph). The reference is the CPU engine with exact activations (f32, no rounding);
+    /// the GPU rounds activations (f16 for prompts, int8 per 32 for decode, an f16 cache),
+    /// as llama.cpp's CPU engine does (Q8_0 / Q8_K), and the GPU must stay at least as
+    /// close to the reference as that rounding does (10% headroom), or within 5%. Some models amplify
+    /// rounding a lot (tiny-gemma3's post-norms: docs/cuda.md); the bound follows them.
     #[test]
     #[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
     fn gpu_decoder_matches_cpu_logits() {
-        let paths = std::env::var("MEMRA_GPU_TEST_MODELS").expect("MEMRA_GPU_TEST_MODELS");
         let mut failures = Vec::new();
-        for path in paths.split(',') {
-            let model = Model::load(std::path::Path::new(path)).unwrap();
+        for path in test_models() {
+            let mut model = Model::load(std::path::Path::new(&path)).unwrap();
+            let tokens = model.tokenizer.encode(TEXT, true, true).unwrap();
+            let nv = model.decoder.hp.n_vocab;
+            let mut cpu_rows = |exact: bool| {
+                model.decoder.exact_activations = exact;
+                let mut cache = model.decoder.new_cache(256);
+                let rows = model
+                    .decoder
+                    .forward(&mut cache, &tokens, LogitRows::From(0));
+                rows.unwrap()
+            };
+            let exact = cpu_rows(true);
+            let rounded = cpu_rows(false);
             let d = &model.decoder;
-            let text = "Hello world, this is a test of the decoder.";
-            let tokens = model.tokenizer.encode(text, true, true).unwrap();
-            let mut cache = d.new_cache(64);
-            let mut gpu = GpuDecoder::new(0, d, 64).unwrap();
-            let (mut worst, mut agree, mut ties) = (0f64, 0, 0);
+            let mut gpu = GpuDecoder::new(0, d, 256).unwrap();
+            let batch = gpu.forward(&tokens, LogitRows::From(0)).unwrap();
+            gpu.reset();
+            let mut steps = Vec::new();
             for &t in &tokens {
-                let cpu = d.forward(&mut cache, &[t], LogitRows::Last).unwrap();
-                let g = gpu.forward_token(t).unwrap();
-                let diff = rms(cpu.iter().zip(&g).map(|(a, b)| f64::from(a - b)));
-                worst = worst.max(diff / rms(cpu.iter().map(|&a| f64::from(a))));
-                let best = |v: &[f32]| crate::sampler::argmax(v) as usize;
-                if best(&cpu) == best(&g) {
-                    agree += 1;
-                    continue;
-                }
-                let mut rest = cpu.clone();
-                rest[best(&cpu)] = f32::NEG_INFINITY;
-                let margin = f64::from(cpu[best(&cpu)] - rest[best(&rest)]);
-                if margin > 4.0 * diff {
+                steps.extend(gpu.forward(&[t], LogitRows::Last).unwrap());
+            }
+            let f = &mut failures;
+            let cpu_q8 = check(
+                &format!("{path} cpu q8"),
+                &exact,
+                &rounded,
+                nv,
+                &mut Vec::new(),
+            );
+            let worst_b = check(&format!("{path} batch"), &exact, &batch, nv, f);
+            let worst_s = check(&format!("{path} steps"), &exact, &steps, nv, f);
+            // The greedy pick on the device equals the host's argmax of the same logits.
+            gpu.reset();
+            gpu.forward(&tokens[..tokens.len() - 1], LogitRows::Last)
+                .unwrap();
+            let best = gpu.forward_greedy(tokens[tokens.len() - 1]).unwrap();
+            let last = &steps[(tokens.len() - 1) * nv..];
+            assert_eq!(best, crate::sampler::argmax(last), "{path}: greedy pick");
+            eprintln!(
+                "{path}: {} tokens; RMS logit difference to exact arithmetic: GPU prompt batch \
+                 {:.2}%, GPU decode steps {:.2}%, CPU with llama.cpp's Q8 rounding {:.2}%",
+                tokens.len(),
+                100.0 * worst_b,
+                100.0 * worst_s,
+                100.0 * cpu_q8
+            );
+            // 10% headroom: on models where rounding decorrelates the logits entirely
+            // (synthetic q4_k_m: ~200% both ways) the two differences are equal but for noise.
+            let bound = (1.1 * cpu_q8).max(0.05);
+            for (what, worst) in [("batch", worst_b), ("steps", worst_s)] {
+                if worst > bound {
                     failures.push(format!(
-                        "{path}: best tokens differ at a margin of {margin:.4} (RMS difference {diff:.4})"
+                        "{path} {what}: logits differ by {:.2}% RMS (bound {:.2}%)",
+                        100.0 * worst,
+                        100.0 * bound
                     ));
                 }
-                ties += 1;
             }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// `memra perplexity --device cuda` against the CPU engine (exact activations, as
+    /// above) within 0.5%, and 16 greedy tokens: identical to the CPU's, or, where the
+    /// CPU's own two roundings part earlier, agreeing at least as long as they do.
+    /// Perplexity is skipped on synthetic models (random weights make it astronomical).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
+    fn gpu_perplexity_and_greedy_match_the_cpu() {
+        let text = match std::env::var("MEMRA_GPU_TEST_TEXT") {
+            Ok(p) => std::fs::read_to_string(p).unwrap(),
+            Err(_) => TEXT.repeat(40),
+        };
+        let mut failures = Vec::new();
+        for path in test_models() {
+            let mut model = Model::load(std::path::Path::new(&path)).unwrap();
+            let ctx = 128;
+            let prompt = model
+                .tokenizer
+                .encode("Once upon a time", true, true)
+                .unwrap();
+            let greedy = |r: &mut dyn Runner| {
+                r.reset();
+                let mut next = crate::sampler::argmax(&r.feed(&prompt).unwrap());
+                let mut out = Vec::new();
+                for _ in 0..16 {
+                    out.push(next);
+                    next = r.feed_greedy(next).unwrap();
+                }
+                out
+            };
+            let mut cpu_runs = Vec::new();
+            for exact in [false, true] {
+                model.decoder.exact_activations = exact;
+                let mut cpu = CpuRunner::new(&model.decoder, ctx, 512);
+                let ppl = if model.name.starts_with("synthetic") {
+                    None
+                } else {
+                    Some(
+                        perplexity(&model, &mut cpu, &text, ctx, Some(4), |_, _, _| {})
+                            .unwrap()
+                            .ppl,
+                    )
+                };
+                cpu_runs.push((ppl, greedy(&mut cpu)));
+            }
+            let [(ppl_q8, ids_q8), (ppl_exact, ids_exact)] =
+                [cpu_runs[0].clone(), cpu_runs[1].clone()];
+            let d = &model.decoder;
+            let mut gpu = GpuDecoder::new(0, d, ctx).unwrap();
+            if let (Some(want), Some(q8)) = (ppl_exact, ppl_q8) {
+                let got = perplexity(&model, &mut gpu, &text, ctx, Some(4), |_, _, _| {})
+                    .unwrap()
+                    .ppl;
+                eprintln!(
+                    "{path}: perplexity GPU {got:.4}, CPU exact {want:.4} ({:+.3}%), CPU Q8 {q8:.4} ({:+.3}%)",
+                    100.0 * (got - want) / want,
+                    100.0 * (got - q8) / q8
+                );
+                if (got - want).abs() / want > 0.005 {
+                    failures.push(format!("{path}: perplexity GPU {got:.4} vs CPU {want:.4}"));
+                }
+            }
+            let ids_gpu = greedy(&mut gpu);
+            let agree = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+            let (gpu_n, cpu_n) = (agree(&ids_gpu, &ids_exact), agree(&ids_q8, &ids_exact));
             eprintln!(
-                "{path}: {} steps, best token agrees at {agree}, near-ties {ties}; \
-                 RMS logit difference {:.2}% of the logits' RMS",
-                tokens.len(),
-                100.0 * worst
+                "{path}: greedy tokens agreeing with exact CPU arithmetic: GPU {gpu_n}/16, CPU Q8 {cpu_n}/16"
             );
-            if worst > 0.05 {
+            if gpu_n < 16 && gpu_n < cpu_n {
                 failures.push(format!(
-                    "{path}: logits differ by {:.2}% RMS",
-                    100.0 * worst
+                    "{path}: greedy tokens part from the CPU's at {gpu_n}: GPU {ids_gpu:?}, CPU {ids_exact:?}"
                 ));
             }
         }

@@ -1,7 +1,7 @@
 //! Decode-time matrix-vector products on quantized weights (`cu/quant_matvec.cu`): the
 //! activations are quantized to int8 on the device, then multiplied with `dp4a`.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use memra_gguf::GgmlType;
 
 use super::ops::grid_1d;
@@ -12,16 +12,27 @@ pub const MAX_TOKENS: usize = 8;
 /// Warps (rows) per thread block, as the kernels are written.
 const ROWS_PER_BLOCK: u32 = 4;
 
-/// The kernel for a weight type; `None` where there is none yet.
+/// The kernel for a weight type; `None` where there is none (the codebook i-quants,
+/// ternary and MXFP4 formats).
 pub fn kernel_for(ty: GgmlType) -> Option<&'static str> {
-    match ty {
-        GgmlType::Q4K => Some("mmvq_q4_k"),
-        GgmlType::Q6K => Some("mmvq_q6_k"),
-        GgmlType::Q8_0 => Some("mmvq_q8_0"),
-        GgmlType::Q4_0 => Some("mmvq_q4_0"),
-        GgmlType::Q5_0 => Some("mmvq_q5_0"),
-        _ => None,
-    }
+    Some(match ty {
+        GgmlType::F32 => "mmvq_f32",
+        GgmlType::F16 => "mmvq_f16",
+        GgmlType::Bf16 => "mmvq_bf16",
+        GgmlType::Q4_0 => "mmvq_q4_0",
+        GgmlType::Q4_1 => "mmvq_q4_1",
+        GgmlType::Q5_0 => "mmvq_q5_0",
+        GgmlType::Q5_1 => "mmvq_q5_1",
+        GgmlType::Q8_0 => "mmvq_q8_0",
+        GgmlType::Q2K => "mmvq_q2_k",
+        GgmlType::Q3K => "mmvq_q3_k",
+        GgmlType::Q4K => "mmvq_q4_k",
+        GgmlType::Q5K => "mmvq_q5_k",
+        GgmlType::Q6K => "mmvq_q6_k",
+        GgmlType::Iq4Nl => "mmvq_iq4_nl",
+        GgmlType::Iq4Xs => "mmvq_iq4_xs",
+        _ => return None,
+    })
 }
 
 /// Activations quantized on the device for the integer kernels: int8 values, and per 32
@@ -110,30 +121,37 @@ impl DeviceActs {
         Ok(())
     }
 
-    /// `x += o` (when given), then quantizes `rms_norm(x) * w` into this buffer: the
-    /// residual add, the norm and the quantization of a decode step in one launch.
+    /// `x_out = x + o` (`o` when given), then quantizes `rms_norm(x_out) * w` into this
+    /// buffer: the residual add, the norm and the quantization of a decode step in one
+    /// launch (`x_out` must not be `x`: blocks read all of `x` while others write).
     pub fn add_norm_quantize(
         &mut self,
         dev: &CudaDevice,
-        x: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
         o: Option<&CudaSlice<f32>>,
+        x_out: &mut CudaSlice<f32>,
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> Result<(), CudaError> {
         let n = w.len();
-        if n % 32 != 0 || x.len() < n || o.is_some_and(|o| o.len() < n) || self.q.len() < n {
+        if n % 32 != 0
+            || x.len() < n
+            || x_out.len() < n
+            || o.is_some_and(|o| o.len() < n)
+            || self.q.len() < n
+        {
             return Err(CudaError::Invalid(format!(
                 "add_norm_quantize: {n} elements"
             )));
         }
         let f = dev.function("quant_matvec", "add_norm_quantize")?;
         let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1024, 1, 1),
+            grid_dim: (n.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let (n_i, null) = (n as i32, 0u64);
-        // SAFETY: n elements of x, o and w; n of q and n / 32 of d and s (checked above).
+        // SAFETY: n elements of x, o, x_out and w; n of q and n / 32 of d and s (checked).
         unsafe {
             let mut b = dev.stream.launch_builder(&f);
             b.arg(x);
@@ -141,7 +159,8 @@ impl DeviceActs {
                 Some(o) => b.arg(o),
                 None => b.arg(&null),
             };
-            b.arg(w)
+            b.arg(x_out)
+                .arg(w)
                 .arg(&mut self.q)
                 .arg(&mut self.d)
                 .arg(&mut self.s)
@@ -167,43 +186,86 @@ pub fn mmvq(
     nrows: usize,
     ntok: usize,
 ) -> Result<(), CudaError> {
+    mmvq_set(dev, ty, &mut [(w, y, nrows)], x, ncols, ntok)
+}
+
+/// The kernel's description of up to three matrices (`MatvecSet` in quant_matvec.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MatvecSet {
+    w: [u64; 3],
+    y: [u64; 3],
+    nrows: [i32; 3],
+    first: [i32; 4],
+}
+
+// SAFETY: plain data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for MatvecSet {}
+
+/// [`mmvq`] for one to three matrices of type `ty` with the same input, in one launch:
+/// `(weights, output, rows)` each.
+pub fn mmvq_set(
+    dev: &CudaDevice,
+    ty: GgmlType,
+    mats: &mut [(&CudaSlice<u8>, &mut CudaSlice<f32>, usize)],
+    x: &DeviceActs,
+    ncols: usize,
+    ntok: usize,
+) -> Result<(), CudaError> {
     let name = kernel_for(ty).ok_or(CudaError::Unsupported { op: "matvec", ty })?;
     let row_bytes = ty
         .row_bytes(ncols as u64)
-        .ok_or_else(|| CudaError::Invalid(format!("{ncols} columns are not whole {ty} blocks")))?;
+        .ok_or_else(|| CudaError::Invalid(format!("{ncols} columns are not whole {ty} blocks")))?
+        as usize;
     if !(1..=MAX_TOKENS).contains(&ntok) {
         return Err(CudaError::Invalid(format!(
             "{ntok} tokens (1 to {MAX_TOKENS})"
         )));
     }
-    if w.len() < row_bytes as usize * nrows || x.q.len() < ntok * ncols || y.len() < ntok * nrows {
-        return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
+    if mats.is_empty() || mats.len() > 3 || x.q.len() < ntok * ncols || ncols % 32 != 0 {
+        return Err(CudaError::Invalid("matvec: shapes".into()));
+    }
+    // Rows per thread block: ROWS_PER_BLOCK warps, of two rows each in the Q4_K kernel
+    // (`Q4_K_ROWS_PER_WARP` in the .cu).
+    let rows_per_block = ROWS_PER_BLOCK * if ty == GgmlType::Q4K { 2 } else { 1 };
+    let mut set = MatvecSet {
+        w: [0; 3],
+        y: [0; 3],
+        nrows: [0; 3],
+        first: [0; 4],
+    };
+    let mut blocks = 0u32;
+    for (i, (w, y, nrows)) in mats.iter_mut().enumerate() {
+        if w.len() < row_bytes * *nrows || y.len() < ntok * *nrows {
+            return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
+        }
+        set.w[i] = w.device_ptr(&dev.stream).0;
+        set.y[i] = y.device_ptr_mut(&dev.stream).0;
+        set.nrows[i] = *nrows as i32;
+        set.first[i] = blocks as i32;
+        blocks += (*nrows as u32).div_ceil(rows_per_block);
+    }
+    for i in mats.len()..4 {
+        set.first[i] = blocks as i32;
     }
     let f = dev.function("quant_matvec", name)?;
-    // Rows each warp computes (the Q4_K kernel takes two; `Q4_K_ROWS_PER_WARP` in the .cu).
-    let rows_per_warp = if ty == GgmlType::Q4K { 2 } else { 1 };
     let cfg = LaunchConfig {
-        grid_dim: (
-            (nrows as u32).div_ceil(ROWS_PER_BLOCK * rows_per_warp),
-            1,
-            1,
-        ),
+        grid_dim: (blocks, 1, 1),
         block_dim: (32 * ROWS_PER_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (c, r, t) = (ncols as i32, nrows as i32, ntok as i32);
-    // SAFETY: sizes were checked against the shapes; the kernel reads `nrows` rows of `w`,
-    // `ntok x ncols` activations and writes `ntok x nrows` of `y`.
+    let (c, t) = (ncols as i32, ntok as i32);
+    // SAFETY: every matrix and output was checked against its shape; the kernel reads
+    // `nrows` rows of each `w`, `ntok x ncols` activations, and writes `ntok x nrows` of
+    // each `y`. The buffers outlive the launch (the caller holds them).
     unsafe {
         dev.stream
             .launch_builder(&f)
-            .arg(w)
+            .arg(&set)
             .arg(&x.q)
             .arg(&x.d)
             .arg(&x.s)
-            .arg(y)
             .arg(&c)
-            .arg(&r)
             .arg(&t)
             .launch(cfg)?;
     }
@@ -211,19 +273,41 @@ pub fn mmvq(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use memra_gguf::quant::{dequantize_to_vec, f16_scale_fields};
 
-    fn lcg(seed: &mut u64) -> u64 {
+    pub(crate) fn lcg(seed: &mut u64) -> u64 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         *seed >> 33
     }
 
-    fn random_weights(ty: GgmlType, ncols: usize, nrows: usize, seed: &mut u64) -> Vec<u8> {
+    /// Random blocks with small positive f16 scales; random values in [-1, 1] for the
+    /// float types.
+    pub(crate) fn random_weights(
+        ty: GgmlType,
+        ncols: usize,
+        nrows: usize,
+        seed: &mut u64,
+    ) -> Vec<u8> {
         let n = nrows * ty.row_bytes(ncols as u64).unwrap() as usize;
+        let mut float = || (lcg(seed) % 20001) as f32 / 10000.0 - 1.0;
+        match ty {
+            GgmlType::F32 => return (0..n / 4).flat_map(|_| float().to_le_bytes()).collect(),
+            GgmlType::F16 => {
+                return (0..n / 2)
+                    .flat_map(|_| half::f16::from_f32(float()).to_le_bytes())
+                    .collect()
+            }
+            GgmlType::Bf16 => {
+                return (0..n / 2)
+                    .flat_map(|_| half::bf16::from_f32(float()).to_le_bytes())
+                    .collect()
+            }
+            _ => {}
+        }
         let mut w: Vec<u8> = (0..n).map(|_| lcg(seed) as u8).collect();
         for b in w.chunks_exact_mut(ty.type_size()) {
             for &f in f16_scale_fields(ty) {
@@ -234,18 +318,31 @@ mod tests {
         w
     }
 
+    /// Every weight type the GPU kernels take.
+    pub(crate) const GPU_TYPES: [GgmlType; 15] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Bf16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::Iq4Nl,
+        GgmlType::Iq4Xs,
+    ];
+
     #[test]
     #[ignore = "needs an NVIDIA GPU"]
     fn gpu_matvec_matches_the_cpu_reference() {
         let dev = CudaDevice::new(0).expect("GPU");
         let mut seed = 11u64;
-        for ty in [
-            GgmlType::Q4K,
-            GgmlType::Q6K,
-            GgmlType::Q8_0,
-            GgmlType::Q4_0,
-            GgmlType::Q5_0,
-        ] {
+        for ty in GPU_TYPES {
             for (ncols, nrows) in [(256usize, 1usize), (2816, 37), (4096, 130)] {
                 let w = random_weights(ty, ncols, nrows, &mut seed);
                 for ntok in [1usize, 3, 8] {
@@ -299,11 +396,11 @@ mod tests {
         }
         let none = mmvq(
             &dev,
-            GgmlType::Q5_1,
-            &dev.stream.alloc_zeros(24).unwrap(),
-            &DeviceActs::new(&dev, 32).unwrap(),
+            GgmlType::Iq2Xxs,
+            &dev.stream.alloc_zeros(66).unwrap(),
+            &DeviceActs::new(&dev, 256).unwrap(),
             &mut dev.stream.alloc_zeros(1).unwrap(),
-            32,
+            256,
             1,
             1,
         );
@@ -317,36 +414,88 @@ mod tests {
         let dev = CudaDevice::new(0).expect("GPU");
         let mut seed = 3u64;
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        for (ty, ncols, nrows) in [
+        // Median time of 20 back-to-back launches (launch latency overlaps, as in a graph).
+        let time = |run: &mut dyn FnMut()| {
+            let mut times = Vec::new();
+            for i in 0..12 {
+                let start = dev.stream.record_event(timing).unwrap();
+                for _ in 0..20 {
+                    run();
+                }
+                let end = dev.stream.record_event(timing).unwrap();
+                if i >= 2 {
+                    times.push(f64::from(start.elapsed_ms(&end).unwrap()) / 20.0);
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2]
+        };
+        let shapes = [
             (GgmlType::Q4K, 4096usize, 14336usize),
-            (GgmlType::Q6K, 14336, 4096),
             (GgmlType::Q4K, 4096, 4096),
+            (GgmlType::Q4K, 4096, 1024),
+            (GgmlType::Q6K, 14336, 4096),
+            (GgmlType::Q6K, 4096, 128256),
             (GgmlType::Q8_0, 4096, 14336),
-        ] {
+            (GgmlType::Q8_0, 14336, 4096),
+        ];
+        let mut ws = Vec::new();
+        for (ty, ncols, nrows) in shapes {
             let w = random_weights(ty, ncols, nrows, &mut seed);
             let wd = dev.stream.clone_htod(&w).unwrap();
-            for ntok in [1usize, 4] {
-                let xd = dev.stream.clone_htod(&vec![0.5f32; ntok * ncols]).unwrap();
-                let mut acts = DeviceActs::new(&dev, ntok * ncols).unwrap();
-                acts.quantize(&dev, &xd, ntok * ncols).unwrap();
-                let mut yd = dev.stream.alloc_zeros::<f32>(ntok * nrows).unwrap();
-                let mut times = Vec::new();
-                for i in 0..30 {
-                    let start = dev.stream.record_event(timing).unwrap();
-                    mmvq(&dev, ty, &wd, &acts, &mut yd, ncols, nrows, ntok).unwrap();
-                    let end = dev.stream.record_event(timing).unwrap();
-                    if i >= 5 {
-                        times.push(f64::from(start.elapsed_ms(&end).unwrap()));
-                    }
-                }
-                times.sort_by(f64::total_cmp);
-                let ms = times[times.len() / 2];
-                eprintln!(
-                    "mmvq {ty} {ncols}x{nrows} x{ntok}: {:.1} us, {:.2} TB/s of weights",
-                    ms * 1e3,
-                    w.len() as f64 / (ms / 1e3) / 1e12
-                );
-            }
+            let xd = dev.stream.clone_htod(&vec![0.5f32; ncols]).unwrap();
+            let mut acts = DeviceActs::new(&dev, ncols).unwrap();
+            acts.quantize(&dev, &xd, ncols).unwrap();
+            let mut yd = dev.stream.alloc_zeros::<f32>(nrows).unwrap();
+            let ms = time(&mut || mmvq(&dev, ty, &wd, &acts, &mut yd, ncols, nrows, 1).unwrap());
+            eprintln!(
+                "mmvq {ty} {ncols}x{nrows}: {:.1} us, {:.2} TB/s of weights",
+                ms * 1e3,
+                w.len() as f64 / (ms / 1e3) / 1e12
+            );
+            ws.push((wd, w.len()));
         }
+        // q, k and v of llama3-8b (4096 x 4096, 1024, 1024) in one launch and in three.
+        let xd = dev.stream.clone_htod(&vec![0.5f32; 4096]).unwrap();
+        let mut acts = DeviceActs::new(&dev, 4096).unwrap();
+        acts.quantize(&dev, &xd, 4096).unwrap();
+        let (q, k) = (&ws[1].0, &ws[2].0);
+        let mut ys: Vec<CudaSlice<f32>> = (0..3)
+            .map(|_| dev.stream.alloc_zeros(4096).unwrap())
+            .collect();
+        let [y0, y1, y2] = &mut ys[..] else {
+            unreachable!()
+        };
+        let bytes = (ws[1].1 + 2 * ws[2].1) as f64;
+        let ms = time(&mut || {
+            mmvq_set(
+                &dev,
+                GgmlType::Q4K,
+                &mut [
+                    (q, &mut *y0, 4096),
+                    (k, &mut *y1, 1024),
+                    (k, &mut *y2, 1024),
+                ],
+                &acts,
+                4096,
+                1,
+            )
+            .unwrap()
+        });
+        eprintln!(
+            "mmvq Q4_K q+k+v in one launch: {:.1} us, {:.2} TB/s",
+            ms * 1e3,
+            bytes / (ms / 1e3) / 1e12
+        );
+        let ms = time(&mut || {
+            mmvq(&dev, GgmlType::Q4K, q, &acts, y0, 4096, 4096, 1).unwrap();
+            mmvq(&dev, GgmlType::Q4K, k, &acts, y1, 4096, 1024, 1).unwrap();
+            mmvq(&dev, GgmlType::Q4K, k, &acts, y2, 4096, 1024, 1).unwrap();
+        });
+        eprintln!(
+            "mmvq Q4_K q, k, v in three launches: {:.1} us, {:.2} TB/s",
+            ms * 1e3,
+            bytes / (ms / 1e3) / 1e12
+        );
     }
 }

@@ -3,10 +3,13 @@
 //! one architecture; the engine refuses a GPU of another architecture with a clear message
 //! rather than failing at the first launch.
 //!
-//! This is the start of the backend: device bring-up, the first kernel families and
-//! `memra probe`. Model execution on the GPU is not here yet.
+//! Model execution is `decoder`; its parts: `matvec` (decode products on quantized
+//! weights), `gemm` (prompt products through cuBLAS), `ops` (the other kernels' launches),
+//! `graph` (the captured decode step).
 
 pub mod decoder;
+pub mod gemm;
+pub mod graph;
 pub mod matvec;
 pub mod ops;
 pub mod probe;
@@ -45,6 +48,11 @@ pub enum CudaError {
     NoKernels,
     #[error("no NVIDIA driver found (libcuda.so.1 cannot be loaded); use --device cpu")]
     NoDriver,
+    #[error(
+        "cuBLAS (libcublas.so.13) cannot be loaded: install the CUDA 13 toolkit's libraries or \
+         add their folder (e.g. /usr/local/cuda/lib64) to LD_LIBRARY_PATH; or use --device cpu"
+    )]
+    NoCublas,
     #[error("cannot use the CUDA driver: {0} (is a GPU visible? otherwise use --device cpu)")]
     Driver(#[from] DriverError),
     #[error(
@@ -68,6 +76,12 @@ pub enum CudaError {
     },
     #[error("invalid kernel arguments: {0}")]
     Invalid(String),
+}
+
+/// Whether this build can run on GPU 0: kernels built, a driver, and a GPU of the built
+/// architecture (what `--device` defaults to).
+pub fn usable_gpu() -> bool {
+    built_arch().is_some() && CudaDevice::new(0).is_ok()
 }
 
 /// The build architecture that runs on a compute capability (as build.rs picks it).
@@ -122,8 +136,13 @@ impl CudaDevice {
                 Ok((family, ctx.load_module(Ptx::from_binary(image.to_vec()))?))
             })
             .collect::<Result<Vec<_>, DriverError>>()?;
+        // Buffers are only shared within this one stream, so cudarc's per-buffer events
+        // (which would also land in captured graphs) are not needed.
+        // SAFETY: every launch and copy of this device goes through `stream`.
+        unsafe { ctx.disable_event_tracking() };
         Ok(CudaDevice {
-            stream: ctx.default_stream(),
+            // A stream of our own: the legacy default stream cannot be captured into a graph.
+            stream: ctx.new_stream()?,
             ctx,
             name,
             compute_capability: (major, minor),

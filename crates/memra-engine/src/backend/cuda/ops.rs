@@ -1,7 +1,11 @@
 //! Launch wrappers of the element-wise, normalization, rotary and attention kernels. Each
 //! documents the shapes it needs; sizes are checked before launching.
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use half::f16;
+use memra_gguf::GgmlType;
+
+use super::matvec::DeviceActs;
 
 use super::{CudaDevice, CudaError};
 
@@ -10,13 +14,13 @@ const THREADS: u32 = 256;
 /// One thread per element, in blocks of 256.
 pub(super) fn grid_1d(n: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        grid_dim: (n.div_ceil(THREADS as usize).max(1) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
 }
 
-fn check(ok: bool, what: &str) -> Result<(), CudaError> {
+pub(super) fn check(ok: bool, what: &str) -> Result<(), CudaError> {
     if ok {
         Ok(())
     } else {
@@ -86,125 +90,715 @@ pub struct DeviceRope {
     pub freq_factors: Option<CudaSlice<f32>>,
 }
 
-/// Decode step: RoPE on `q` (in place) and `k`, then `k` and `v` into their cache rows at
-/// `pos`. `q`: n_head x dk, `k`: n_head_kv x dk, `v`: n_head_kv x dv; the caches hold
-/// n_head_kv x dk (dv) per position.
+/// The shape of the attention of a layer.
+pub struct AttentionShape {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    /// Head dimension of keys and values (these kernels need them equal).
+    pub head_dim: usize,
+    pub scale: f32,
+    /// Sliding window in positions, 0 for none.
+    pub window: usize,
+}
+
+impl AttentionShape {
+    /// The head dimensions the kernels are instantiated for.
+    pub fn supported(&self) -> Result<(), CudaError> {
+        check(
+            matches!(self.head_dim, 32 | 64 | 128 | 256),
+            &format!(
+                "attention with head dimension {} (the kernels take 32, 64, 128 or 256)",
+                self.head_dim
+            ),
+        )?;
+        check(
+            self.n_head % self.n_head_kv == 0 && self.n_head / self.n_head_kv <= MAX_GROUP,
+            &format!(
+                "{} query heads over {} kv heads (at most {MAX_GROUP} per kv head)",
+                self.n_head, self.n_head_kv
+            ),
+        )
+    }
+}
+
+/// Query heads per kv head the decode kernel handles (`MAX_GROUP` in attention.cu).
+const MAX_GROUP: usize = 8;
+
+/// RoPE on `q` (in place) and `k` for `n_tok` tokens at positions `*pos ..`, then `k` and
+/// `v` into their f16 cache rows. `q`: n_tok x n_head x head_dim, `k`: n_tok x n_head_kv x
+/// head_dim, `v` likewise; `pos` is one i32 on the device (a graph replays it).
 #[allow(clippy::too_many_arguments)]
 pub fn rope_qk_append(
     dev: &CudaDevice,
     q: &mut CudaSlice<f32>,
     k: &CudaSlice<f32>,
     v: &CudaSlice<f32>,
-    k_cache: &mut CudaSlice<f32>,
-    v_cache: &mut CudaSlice<f32>,
-    shape: &DecodeAttention,
+    k_cache: &mut CudaSlice<f16>,
+    v_cache: &mut CudaSlice<f16>,
+    shape: &AttentionShape,
     r: &DeviceRope,
-    pos: usize,
+    pos: &CudaView<i32>,
+    n_tok: usize,
+    max_pos: usize,
 ) -> Result<(), CudaError> {
-    let (nh, nkv, dk, dv) = (shape.n_head, shape.n_head_kv, shape.dk, shape.dv);
+    let (nh, nkv, dk) = (shape.n_head, shape.n_head_kv, shape.head_dim);
     check(
-        q.len() >= nh * dk
-            && k.len() >= nkv * dk
-            && v.len() >= nkv * dv
-            && k_cache.len() >= (pos + 1) * nkv * dk
-            && v_cache.len() >= (pos + 1) * nkv * dv
+        q.len() >= n_tok * nh * dk
+            && k.len() >= n_tok * nkv * dk
+            && v.len() >= n_tok * nkv * dk
+            && k_cache.len() >= max_pos * nkv * dk
+            && v_cache.len() >= max_pos * nkv * dk
             && r.n_dims <= dk
-            && r.n_dims % 2 == 0,
+            && r.n_dims % 2 == 0
+            && !pos.is_empty(),
         "rope_qk_append: shapes",
     )?;
-    let f = dev.function("rope", "rope_qk_append_f32")?;
+    let f = dev.function("rope", "rope_qk_append")?;
     let half = r.n_dims / 2;
-    let n = nh * half + nkv * half + nkv * (dk - r.n_dims) + nkv * dv;
-    let ints = [nh, nkv, dk, dv, r.n_dims, pos].map(|v| v as i32);
+    let n = nh * half + nkv * half + nkv * (dk - r.n_dims) + nkv * dk;
+    let ints = [nh, nkv, dk, dk, r.n_dims].map(|v| v as i32);
     let halves = i32::from(r.halves);
     let null: u64 = 0;
-    // SAFETY: every index the kernel writes is within the shapes checked above.
+    let mut cfg = grid_1d(n);
+    cfg.grid_dim.1 = n_tok as u32;
+    // SAFETY: the caller keeps *pos + n_tok <= max_pos, the cache length checked above;
+    // every other index is within the shapes checked.
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
         b.arg(q).arg(k).arg(v).arg(k_cache).arg(v_cache);
         for i in &ints {
             b.arg(i);
         }
-        b.arg(&r.base).arg(&r.freq_scale);
+        b.arg(pos).arg(&r.base).arg(&r.freq_scale);
         match &r.freq_factors {
             Some(ff) => b.arg(ff),
             None => b.arg(&null),
         };
-        b.arg(&halves).launch(grid_1d(n))?;
+        b.arg(&halves).launch(cfg)?;
     }
     Ok(())
 }
 
-/// Shape of a decode attention call.
-pub struct DecodeAttention {
-    pub n_head: usize,
-    pub n_head_kv: usize,
-    pub dk: usize,
-    pub dv: usize,
-    pub scale: f32,
+/// Keys per split of the decode attention: one 32-key step per warp of the block's two
+/// (enough work to hide the merge), and short contexts still spread over several blocks.
+pub const KEYS_PER_SPLIT: usize = 64;
+/// The most splits (the partial buffers hold this many): 64 x 8 kv heads fill the H200's
+/// 132 SMs several times over at long contexts.
+pub const MAX_SPLITS: usize = 64;
+
+/// Splits for a decode step over `n_kv` visible positions.
+pub fn decode_splits(n_kv: usize) -> usize {
+    n_kv.div_ceil(KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
 
-/// One query token over cached positions `first..n_kv`; `out` is `n_head x dv`.
+/// Decode attention, first half: block (kv head, split) writes its partial result for the
+/// query heads of its group into `part_o` (splits x n_head x head_dim) and `part_ml`
+/// (splits x n_head x 2). The query is at position `*pos`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode(
     dev: &CudaDevice,
-    s: &DecodeAttention,
+    s: &AttentionShape,
     q: &CudaSlice<f32>,
-    k_cache: &CudaView<f32>,
-    v_cache: &CudaView<f32>,
-    out: &mut CudaSlice<f32>,
-    first: usize,
-    n_kv: usize,
+    k_cache: &CudaSlice<f16>,
+    v_cache: &CudaSlice<f16>,
+    part_o: &mut CudaSlice<f32>,
+    part_ml: &mut CudaSlice<f32>,
+    pos: &CudaView<i32>,
+    n_split: usize,
 ) -> Result<(), CudaError> {
+    s.supported()?;
     check(
-        q.len() >= s.n_head * s.dk
-            && out.len() >= s.n_head * s.dv
-            && k_cache.len() >= n_kv * s.n_head_kv * s.dk
-            && v_cache.len() >= n_kv * s.n_head_kv * s.dv
-            && first < n_kv,
-        "attention: shapes",
+        q.len() >= s.n_head * s.head_dim
+            && (1..=MAX_SPLITS).contains(&n_split)
+            && part_o.len() >= MAX_SPLITS * s.n_head * s.head_dim
+            && part_ml.len() >= MAX_SPLITS * s.n_head * 2
+            && k_cache.len() == v_cache.len(),
+        "attention_decode: shapes",
     )?;
-    let scores = (n_kv - first) * 4;
-    check(
-        scores <= 160 * 1024,
-        "attention: context longer than this kernel's shared memory",
-    )?;
-    let f = dev.function("attention", "attn_decode_f32")?;
-    if scores > 48 * 1024 {
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            scores as i32,
-        )?;
-    }
+    let f = dev.function("attention", decode_kernel(s.head_dim))?;
+    // Two warps (DECODE_WARPS in attention.cu).
     let cfg = LaunchConfig {
-        grid_dim: (s.n_head as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: scores as u32,
+        grid_dim: (s.n_head_kv as u32, n_split as u32, 1),
+        block_dim: (64, 1, 1),
+        shared_mem_bytes: 0,
     };
-    let (nh, nkv, dk, dv, fi, n) = (
-        s.n_head as i32,
-        s.n_head_kv as i32,
-        s.dk as i32,
-        s.dv as i32,
-        first as i32,
-        n_kv as i32,
-    );
-    // SAFETY: shapes checked above; scores fit the dynamic shared memory requested.
+    let ints = [s.n_head, s.n_head_kv, s.window].map(|v| v as i32);
+    let ns = n_split as i32;
+    // SAFETY: shapes checked above; the caller keeps *pos below the cache's positions.
     unsafe {
         dev.stream
             .launch_builder(&f)
             .arg(q)
             .arg(k_cache)
             .arg(v_cache)
-            .arg(out)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&dk)
-            .arg(&dv)
-            .arg(&fi)
-            .arg(&n)
+            .arg(part_o)
+            .arg(part_ml)
+            .arg(pos)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
             .arg(&s.scale)
+            .arg(&ns)
             .launch(cfg)?;
     }
     Ok(())
+}
+
+pub fn decode_kernel(head_dim: usize) -> &'static str {
+    match head_dim {
+        32 => "attn_decode_d32",
+        64 => "attn_decode_d64",
+        128 => "attn_decode_d128",
+        _ => "attn_decode_d256",
+    }
+}
+
+/// Decode attention, second half: merges the splits into the attention output, quantized
+/// for the output projection into `acts`.
+pub fn attention_combine(
+    dev: &CudaDevice,
+    s: &AttentionShape,
+    part_o: &CudaSlice<f32>,
+    part_ml: &CudaSlice<f32>,
+    acts: &mut DeviceActs,
+    n_split: usize,
+) -> Result<(), CudaError> {
+    attention_combine_into(dev, s, part_o, part_ml, None, acts, n_split)
+}
+
+/// [`attention_combine`], also writing the f32 output into `out` when given.
+pub fn attention_combine_into(
+    dev: &CudaDevice,
+    s: &AttentionShape,
+    part_o: &CudaSlice<f32>,
+    part_ml: &CudaSlice<f32>,
+    out: Option<&mut CudaSlice<f32>>,
+    acts: &mut DeviceActs,
+    n_split: usize,
+) -> Result<(), CudaError> {
+    let len = s.n_head * s.head_dim;
+    check(
+        acts.q.len() >= len
+            && (1..=MAX_SPLITS).contains(&n_split)
+            && out.as_ref().is_none_or(|o| o.len() >= len),
+        "attention_combine: shapes",
+    )?;
+    let f = dev.function("attention", "attn_combine")?;
+    let cfg = LaunchConfig {
+        grid_dim: (s.n_head as u32, 1, 1),
+        block_dim: (s.head_dim as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (nh, d, ns, null) = (s.n_head as i32, s.head_dim as i32, n_split as i32, 0u64);
+    // SAFETY: n_split x n_head x head_dim partials (checked by attention_decode's sizes);
+    // n_head x head_dim quantized outputs (checked above).
+    unsafe {
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(part_o).arg(part_ml);
+        match out {
+            Some(o) => b.arg(o),
+            None => b.arg(&null),
+        };
+        b.arg(&mut acts.q)
+            .arg(&mut acts.d)
+            .arg(&mut acts.s)
+            .arg(&nh)
+            .arg(&d)
+            .arg(&ns)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Prompt attention: `n_q` queries at positions `*pos ..` over the cache (which already
+/// holds their keys and values); `out` is f16, n_q x n_head x head_dim.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_prefill(
+    dev: &CudaDevice,
+    s: &AttentionShape,
+    q: &CudaSlice<f32>,
+    k_cache: &CudaSlice<f16>,
+    v_cache: &CudaSlice<f16>,
+    out: &mut CudaSlice<f16>,
+    pos: &CudaView<i32>,
+    n_q: usize,
+) -> Result<(), CudaError> {
+    s.supported()?;
+    let d = s.head_dim;
+    check(
+        q.len() >= n_q * s.n_head * d && out.len() >= n_q * s.n_head * d,
+        "attention_prefill: shapes",
+    )?;
+    let name = match d {
+        32 => "attn_prefill_d32",
+        64 => "attn_prefill_d64",
+        128 => "attn_prefill_d128",
+        _ => "attn_prefill_d256",
+    };
+    let f = dev.function("attention", name)?;
+    // Shared memory: the query tile (32 x d f32), a key tile (32 rows of d/2 + 1 words) and
+    // a value tile (32 x d/2 words); see attn_prefill.
+    const QUERIES_PER_BLOCK: usize = 32;
+    let smem = 4 * (QUERIES_PER_BLOCK * d + 32 * (d / 2 + 1) + 32 * d / 2);
+    if smem > 48 * 1024 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (n_q.div_ceil(QUERIES_PER_BLOCK) as u32, s.n_head as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let ints = [n_q, s.n_head, s.n_head_kv, s.window].map(|v| v as i32);
+    // SAFETY: shapes checked above; the caller keeps *pos + n_q within the cache.
+    unsafe {
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(q).arg(k_cache).arg(v_cache).arg(out).arg(pos);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&s.scale).launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Prompt batches: `x += o` (when given), then the RMS norm of each of `rows` rows times
+/// `w`, as f16 into `out`.
+pub fn add_norm_f16(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<f32>,
+    o: Option<&CudaSlice<f32>>,
+    w: &CudaSlice<f32>,
+    out: &mut CudaSlice<f16>,
+    rows: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let n = w.len();
+    check(
+        x.len() >= rows * n && o.is_none_or(|o| o.len() >= rows * n) && out.len() >= rows * n,
+        "add_norm_f16: shapes",
+    )?;
+    let f = dev.function("norm", "add_norm_f16")?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (n_i, null) = (n as i32, 0u64);
+    // SAFETY: rows x n elements of x, o and out; n of w (checked above).
+    unsafe {
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(x);
+        match o {
+            Some(o) => b.arg(o),
+            None => b.arg(&null),
+        };
+        b.arg(w).arg(out).arg(&n_i).arg(&eps).launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Prompt batches: `out = act(g) * u` as f16 for `rows` rows of `n`; rows whose values
+/// would overflow f16 are scaled down, and `inv_scale[row]` gets the factor to apply to
+/// the down projection's output ([`scale_rows`]).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_f16(
+    dev: &CudaDevice,
+    g: &CudaSlice<f32>,
+    u: &CudaSlice<f32>,
+    out: &mut CudaSlice<f16>,
+    inv_scale: &mut CudaSlice<f32>,
+    rows: usize,
+    n: usize,
+    gelu: bool,
+) -> Result<(), CudaError> {
+    let total = rows * n;
+    check(
+        g.len() >= total && u.len() >= total && out.len() >= total && inv_scale.len() >= rows,
+        "gated_f16: shapes",
+    )?;
+    let f = dev.function("elementwise", "gated_f16")?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (n_i, gelu) = (n as i32, i32::from(gelu));
+    // SAFETY: rows x n elements of each, rows of inv_scale (checked above).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(g)
+            .arg(u)
+            .arg(out)
+            .arg(inv_scale)
+            .arg(&n_i)
+            .arg(&gelu)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// `x[row] *= s[row]` for `rows` rows of `n`.
+pub fn scale_rows(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<f32>,
+    s: &CudaSlice<f32>,
+    rows: usize,
+    n: usize,
+) -> Result<(), CudaError> {
+    check(x.len() >= rows * n && s.len() >= rows, "scale_rows: shapes")?;
+    let f = dev.function("elementwise", "scale_rows")?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n_i = n as i32;
+    // SAFETY: rows x n elements of x, rows of s (checked above).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(x)
+            .arg(s)
+            .arg(&n_i)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Blocks of the first argmax pass (their partial results live in an [`ArgmaxParts`]).
+pub const ARGMAX_BLOCKS: usize = 64;
+
+/// The partial results of [`argmax`]'s first pass.
+pub struct ArgmaxParts {
+    values: CudaSlice<f32>,
+    indices: CudaSlice<i32>,
+}
+
+impl ArgmaxParts {
+    pub fn new(dev: &CudaDevice) -> Result<ArgmaxParts, CudaError> {
+        Ok(ArgmaxParts {
+            values: dev.stream.alloc_zeros(ARGMAX_BLOCKS)?,
+            indices: dev.stream.alloc_zeros(ARGMAX_BLOCKS)?,
+        })
+    }
+}
+
+/// The index of the largest of the first `n` values of `x` (the first on ties), into
+/// `out` (one i32), in two launches.
+pub fn argmax(
+    dev: &CudaDevice,
+    x: &CudaSlice<f32>,
+    n: usize,
+    parts: &mut ArgmaxParts,
+    out: &mut CudaSlice<i32>,
+) -> Result<(), CudaError> {
+    check(x.len() >= n && n > 0 && !out.is_empty(), "argmax: shapes")?;
+    let partial = dev.function("elementwise", "argmax_partial")?;
+    let last = dev.function("elementwise", "argmax_final")?;
+    let cfg = |blocks: usize| LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (n_i, parts_i) = (n as i32, ARGMAX_BLOCKS as i32);
+    // SAFETY: n values of x; ARGMAX_BLOCKS partials; one output.
+    unsafe {
+        dev.stream
+            .launch_builder(&partial)
+            .arg(x)
+            .arg(&n_i)
+            .arg(&mut parts.values)
+            .arg(&mut parts.indices)
+            .launch(cfg(ARGMAX_BLOCKS))?;
+        dev.stream
+            .launch_builder(&last)
+            .arg(&parts.values)
+            .arg(&parts.indices)
+            .arg(&parts_i)
+            .arg(out)
+            .launch(cfg(1))?;
+    }
+    Ok(())
+}
+
+/// The ggml type id the device decoders dispatch on, for the types they know.
+fn device_type_id(ty: GgmlType) -> Option<i32> {
+    super::matvec::kernel_for(ty).map(|_| ty as u32 as i32)
+}
+
+/// Embedding rows: `out[t] = w[ids[t]] * scale` for `n` tokens (`w`: rows of `ncols`
+/// weights of `ty`; ids are checked against `n_rows` by the caller).
+#[allow(clippy::too_many_arguments)]
+pub fn embed_rows(
+    dev: &CudaDevice,
+    w: &CudaSlice<u8>,
+    ty: GgmlType,
+    ids: &CudaView<i32>,
+    out: &mut CudaSlice<f32>,
+    ncols: usize,
+    n: usize,
+    scale: f32,
+) -> Result<(), CudaError> {
+    let ty_id = device_type_id(ty).ok_or(CudaError::Unsupported {
+        op: "embedding",
+        ty,
+    })?;
+    check(
+        ids.len() >= n && out.len() >= n * ncols && ncols % 32 == 0,
+        "embed_rows: shapes",
+    )?;
+    let f = dev.function("dequant", "embed_rows")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let c = ncols as i32;
+    // SAFETY: ids index rows of w (checked by the caller against the vocabulary); n rows
+    // of out (checked above).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(w)
+            .arg(&ty_id)
+            .arg(ids)
+            .arg(out)
+            .arg(&c)
+            .arg(&scale)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Dequantizes `rows` rows of `ncols` weights of `ty` (starting at byte 0 of `w`) to f16.
+/// F16 weights need no conversion: the caller uses them as they are.
+pub fn dequantize_f16(
+    dev: &CudaDevice,
+    w: &CudaView<u8>,
+    ty: GgmlType,
+    out: &mut CudaViewMut<f16>,
+    rows: usize,
+    ncols: usize,
+) -> Result<(), CudaError> {
+    let row_bytes = ty.row_bytes(ncols as u64).unwrap_or(0) as usize;
+    let n = rows * ncols;
+    check(
+        row_bytes > 0 && w.len() >= rows * row_bytes && out.len() >= n && ncols % 32 == 0,
+        "dequantize_f16: shapes",
+    )?;
+    let float = |name, out: &mut CudaViewMut<f16>| -> Result<(), CudaError> {
+        let f = dev.function("dequant", name)?;
+        let n_i = n as i64;
+        // SAFETY: n elements in and out (checked above).
+        unsafe {
+            dev.stream
+                .launch_builder(&f)
+                .arg(w)
+                .arg(out)
+                .arg(&n_i)
+                .launch(grid_1d(n))?;
+        }
+        Ok(())
+    };
+    let name = match ty {
+        GgmlType::F32 => return float("dequant_f16_f32", out),
+        GgmlType::Bf16 => return float("dequant_f16_bf16", out),
+        GgmlType::Q4_0 => "dequant_f16_q4_0",
+        GgmlType::Q4_1 => "dequant_f16_q4_1",
+        GgmlType::Q5_0 => "dequant_f16_q5_0",
+        GgmlType::Q5_1 => "dequant_f16_q5_1",
+        GgmlType::Q8_0 => "dequant_f16_q8_0",
+        GgmlType::Iq4Nl => "dequant_f16_iq4_nl",
+        GgmlType::Q2K => "dequant_f16_q2_k",
+        GgmlType::Q3K => "dequant_f16_q3_k",
+        GgmlType::Q4K => "dequant_f16_q4_k",
+        GgmlType::Q5K => "dequant_f16_q5_k",
+        GgmlType::Q6K => "dequant_f16_q6_k",
+        GgmlType::Iq4Xs => "dequant_f16_iq4_xs",
+        _ => {
+            return Err(CudaError::Unsupported {
+                op: "dequantize",
+                ty,
+            })
+        }
+    };
+    let f = dev.function("dequant", name)?;
+    let (c, subs) = (ncols as i32, (n / 32) as i64);
+    // SAFETY: rows x row_bytes of w and n elements of out (checked above).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(w)
+            .arg(out)
+            .arg(&c)
+            .arg(&subs)
+            .launch(grid_1d(n / 32))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::matvec::tests::{lcg, random_weights, GPU_TYPES};
+    use super::*;
+    use memra_gguf::quant::dequantize_to_vec;
+
+    /// Dequantization to f16 (the prompt GEMMs' weights) and embedding rows against the
+    /// CPU decoders, for every type, on fresh random blocks.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_dequantize_and_embed_match_the_cpu_reference() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 21u64;
+        for ty in GPU_TYPES {
+            let (ncols, nrows) = (2816usize, 37usize);
+            let w = random_weights(ty, ncols, nrows, &mut seed);
+            let want = dequantize_to_vec(ty, &w).unwrap();
+            let wd = dev.stream.clone_htod(&w).unwrap();
+            if ty != GgmlType::F16 {
+                let mut out = dev.stream.alloc_zeros::<f16>(ncols * nrows).unwrap();
+                dequantize_f16(
+                    &dev,
+                    &wd.slice(..),
+                    ty,
+                    &mut out.slice_mut(..),
+                    nrows,
+                    ncols,
+                )
+                .unwrap();
+                let got = dev.stream.clone_dtoh(&out).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let w16 = f16::from_f32(*w).to_f32();
+                    assert!(
+                        (g.to_f32() - w16).abs() <= 1e-3 * w16.abs() + 1e-7,
+                        "{ty} element {i}: {g} vs {w}"
+                    );
+                }
+            }
+            let ids: Vec<i32> = (0..5)
+                .map(|_| (lcg(&mut seed) % nrows as u64) as i32)
+                .collect();
+            let idd = dev.stream.clone_htod(&ids).unwrap();
+            let mut rows = dev.stream.alloc_zeros::<f32>(5 * ncols).unwrap();
+            embed_rows(&dev, &wd, ty, &idd.slice(..), &mut rows, ncols, 5, 0.5).unwrap();
+            let got = dev.stream.clone_dtoh(&rows).unwrap();
+            for (t, &id) in ids.iter().enumerate() {
+                let r = id as usize * ncols;
+                for c in 0..ncols {
+                    let (g, w) = (got[t * ncols + c], 0.5 * want[r + c]);
+                    assert!(
+                        (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                        "{ty} row {id} col {c}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Decode (split-K + combine) and prompt (flash) attention against the CPU reference,
+    /// on random queries and an f16 cache (the CPU gets the same f16 values), for every
+    /// head dimension, grouped heads, sliding windows, and split counts from 1 to 64.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_attention_matches_the_cpu_reference() {
+        use crate::backend::cpu::ops as cpu;
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 77u64;
+        let mut rnd = |scale: f32| ((lcg(&mut seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
+        // (n_head, n_head_kv, head_dim, positions before the batch, batch, window)
+        for (nh, nkv, d, p0, n_q, window) in [
+            (32usize, 8usize, 128usize, 4090usize, 7usize, 0usize),
+            (14, 2, 64, 60, 77, 0),
+            (4, 1, 256, 250, 50, 16),
+            (8, 8, 32, 0, 33, 0),
+            (32, 8, 128, 0, 1, 0),
+            (6, 2, 128, 1000, 40, 100),
+        ] {
+            let n_kv = p0 + n_q;
+            let kv_len = n_kv * nkv * d;
+            let k16: Vec<f16> = (0..kv_len).map(|_| f16::from_f32(rnd(2.0))).collect();
+            let v16: Vec<f16> = (0..kv_len).map(|_| f16::from_f32(rnd(2.0))).collect();
+            let q: Vec<f32> = (0..n_q * nh * d).map(|_| rnd(1.0)).collect();
+            let shape = AttentionShape {
+                n_head: nh,
+                n_head_kv: nkv,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                window,
+            };
+            let cpu_shape = cpu::AttentionShape {
+                n_head: nh,
+                n_head_kv: nkv,
+                head_dim_k: d,
+                head_dim_v: d,
+                scale: shape.scale,
+                window: (window > 0).then_some(window),
+            };
+            let kf: Vec<f32> = k16.iter().map(|v| v.to_f32()).collect();
+            let vf: Vec<f32> = v16.iter().map(|v| v.to_f32()).collect();
+            let mut want = vec![0f32; n_q * nh * d];
+            cpu::attention(&cpu_shape, &q, &kf, &vf, p0, &mut want);
+            let kd = dev.stream.clone_htod(&k16).unwrap();
+            let vd = dev.stream.clone_htod(&v16).unwrap();
+            let close = |got: &[f32], want: &[f32], what: &str| {
+                for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 2e-3 * w.abs().max(0.1),
+                        "{what} {nh}/{nkv} d{d} p0 {p0} n {n_q} w {window}: element {i}: {g} vs {w}"
+                    );
+                }
+            };
+            // Prompt attention over the whole batch.
+            let qd = dev.stream.clone_htod(&q).unwrap();
+            let pos = dev.stream.clone_htod(&[p0 as i32]).unwrap();
+            let mut out = dev.stream.alloc_zeros::<f16>(n_q * nh * d).unwrap();
+            attention_prefill(&dev, &shape, &qd, &kd, &vd, &mut out, &pos.slice(..), n_q).unwrap();
+            let got: Vec<f32> = dev
+                .stream
+                .clone_dtoh(&out)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            close(&got, &want, "prefill");
+            // Decode of the batch's last query, at every split count it could get.
+            let last = (n_q - 1) * nh * d;
+            let ql = dev.stream.clone_htod(&q[last..]).unwrap();
+            let pos = dev.stream.clone_htod(&[(n_kv - 1) as i32]).unwrap();
+            let mut part_o = dev.stream.alloc_zeros::<f32>(MAX_SPLITS * nh * d).unwrap();
+            let mut part_ml = dev.stream.alloc_zeros::<f32>(MAX_SPLITS * nh * 2).unwrap();
+            let mut acts = DeviceActs::new(&dev, nh * d).unwrap();
+            let mut outd = dev.stream.alloc_zeros::<f32>(nh * d).unwrap();
+            for n_split in [1, decode_splits(n_kv), MAX_SPLITS] {
+                attention_decode(
+                    &dev,
+                    &shape,
+                    &ql,
+                    &kd,
+                    &vd,
+                    &mut part_o,
+                    &mut part_ml,
+                    &pos.slice(..),
+                    n_split,
+                )
+                .unwrap();
+                attention_combine_into(
+                    &dev,
+                    &shape,
+                    &part_o,
+                    &part_ml,
+                    Some(&mut outd),
+                    &mut acts,
+                    n_split,
+                )
+                .unwrap();
+                let got = dev.stream.clone_dtoh(&outd).unwrap();
+                close(&got, &want[last..], &format!("decode, {n_split} splits"));
+            }
+        }
+    }
 }
