@@ -18,6 +18,6 @@ cp "$tests" .device/engine-tests
 strip .device/memra .device/engine-tests
 # The tiny models and the perplexity text, for the GPU-vs-CPU model tests.
 mkdir -p .device/tiny
-cp ../shared/golden/tiny/tiny-{llama,qwen2,qwen3,gemma3}.gguf .device/tiny/
+cp ../shared/golden/tiny/tiny-{llama,qwen2,qwen3,qwen3moe,gemma3}.gguf .device/tiny/
 cp ../shared/golden/texts/GPL-3 .device/GPL-3
 ls -la .device

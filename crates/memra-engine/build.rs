@@ -14,10 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel families, one fatbin each.
-const KERNELS: [&str; 7] = [
+const KERNELS: [&str; 8] = [
     "attention",
     "dequant",
     "elementwise",
+    "moe",
     "norm",
     "probe",
     "quant_matvec",

@@ -274,6 +274,37 @@ MMVQ(mmvq_f32, mmvq_float<T_F32>)
 MMVQ(mmvq_f16, mmvq_float<T_F16>)
 MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
 
+// Experts: block (b, k, t) computes rows of expert ids[t][k] (weights at W + id * stride)
+// for token t; its input is token t's activations (gate and up: `per_slot` 0) or the
+// (t, k) row of its own (down: `per_slot` 1); its output is the (t, k) row of Y.
+#define MMVQ_MOE(name, FN)                                                                               \
+    extern "C" __global__ void name(const uint8_t* __restrict__ W, long long stride,                    \
+                                    const int* __restrict__ ids, int n_used, const int8_t* __restrict__ XQ, \
+                                    const float* __restrict__ XD, const float* __restrict__ XS,         \
+                                    float* __restrict__ Y, int ncols, int nrows, int per_slot) {        \
+        const int k = blockIdx.y, t = blockIdx.z;                                                       \
+        const size_t slot = (size_t)t * n_used + k;                                                     \
+        const size_t x = per_slot ? slot : t;                                                           \
+        FN(blockIdx.x, W + ids[slot] * stride, XQ + x * ncols, XD + x * (ncols / 32),                   \
+           XS + x * (ncols / 32), Y + slot * nrows, ncols, nrows, 1);                                   \
+    }
+
+MMVQ_MOE(mmvq_moe_q4_k, mmvq_q4_k)
+MMVQ_MOE(mmvq_moe_q6_k, mmvq_q6_k)
+MMVQ_MOE(mmvq_moe_q4_0, mmvq_generic<T_Q4_0>)
+MMVQ_MOE(mmvq_moe_q4_1, mmvq_generic<T_Q4_1>)
+MMVQ_MOE(mmvq_moe_q5_0, mmvq_generic<T_Q5_0>)
+MMVQ_MOE(mmvq_moe_q5_1, mmvq_generic<T_Q5_1>)
+MMVQ_MOE(mmvq_moe_q8_0, mmvq_generic<T_Q8_0>)
+MMVQ_MOE(mmvq_moe_iq4_nl, mmvq_generic<T_IQ4_NL>)
+MMVQ_MOE(mmvq_moe_q2_k, mmvq_generic<T_Q2_K>)
+MMVQ_MOE(mmvq_moe_q3_k, mmvq_generic<T_Q3_K>)
+MMVQ_MOE(mmvq_moe_q5_k, mmvq_generic<T_Q5_K>)
+MMVQ_MOE(mmvq_moe_iq4_xs, mmvq_generic<T_IQ4_XS>)
+MMVQ_MOE(mmvq_moe_f32, mmvq_float<T_F32>)
+MMVQ_MOE(mmvq_moe_f16, mmvq_float<T_F16>)
+MMVQ_MOE(mmvq_moe_bf16, mmvq_float<T_BF16>)
+
 // The residual step and the next matvec's input in one launch: x_out = x + o (o may be
 // null), then the RMS norm of x_out times w, quantized to int8 per 32 as quantize_act_q8
 // does. Blocks of 256 threads each take 256 elements; every block computes the whole row's
@@ -283,6 +314,14 @@ extern "C" __global__ void add_norm_quantize(const float* __restrict__ x, const 
                                              float* __restrict__ x_out, const float* __restrict__ w,
                                              int8_t* __restrict__ q, float* __restrict__ d,
                                              float* __restrict__ s, int n, float eps) {
+    // Row blockIdx.y of several (prompt batches); the quantized rows follow each other.
+    const size_t r = blockIdx.y;
+    x += r * n;
+    if (o) o += r * n;
+    x_out += r * n;
+    q += r * n;
+    d += r * (n / 32);
+    s += r * (n / 32);
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = o ? x[i] + o[i] : x[i];

@@ -15,7 +15,7 @@ use half::f16;
 
 use super::gemm::Gemm;
 use super::graph::DecodeGraph;
-use super::matvec::{kernel_for, mmvq, mmvq_set, DeviceActs};
+use super::matvec::{kernel_for, mmvq, mmvq_moe, mmvq_set, DeviceActs, ExpertWeights};
 use super::ops::{self, AttentionShape, DeviceRope, MAX_SPLITS};
 use super::{CudaDevice, CudaError};
 use crate::backend::cpu::matmul::WeightRows;
@@ -55,12 +55,66 @@ struct GpuLayer {
     wo: GpuLinear,
     post_attn_norm: Option<CudaSlice<f32>>,
     ffn_norm: CudaSlice<f32>,
-    gate: GpuLinear,
-    up: GpuLinear,
-    down: GpuLinear,
+    ffn: GpuFfn,
     post_ffn_norm: Option<CudaSlice<f32>>,
     rope: DeviceRope,
     attn: AttentionShape,
+}
+
+enum GpuFfn {
+    Dense {
+        gate: GpuLinear,
+        up: GpuLinear,
+        down: GpuLinear,
+    },
+    Experts(GpuExperts),
+}
+
+/// A mixture-of-experts FFN: the router, and each projection's experts in one buffer.
+struct GpuExperts {
+    router: GpuLinear,
+    gate: GpuExpertWeights,
+    up: GpuExpertWeights,
+    down: GpuExpertWeights,
+    n_used: usize,
+    normalize: bool,
+}
+
+struct GpuExpertWeights {
+    w: CudaSlice<u8>,
+    ty: memra_gguf::GgmlType,
+    n_in: usize,
+    n_out: usize,
+    n_expert: usize,
+}
+
+impl GpuExpertWeights {
+    fn view(&self) -> ExpertWeights<'_> {
+        ExpertWeights {
+            w: &self.w,
+            ty: self.ty,
+            n_in: self.n_in,
+            n_out: self.n_out,
+            n_expert: self.n_expert,
+        }
+    }
+}
+
+impl GpuFfn {
+    /// Width of the gated activations of one token (all chosen experts').
+    fn width(&self) -> usize {
+        match self {
+            GpuFfn::Dense { gate, .. } => gate.n_out,
+            GpuFfn::Experts(x) => x.n_used * x.gate.n_out,
+        }
+    }
+
+    fn experts(&self) -> Option<&GpuExperts> {
+        match self {
+            GpuFfn::Experts(x) => Some(x),
+            GpuFfn::Dense { .. } => None,
+        }
+    }
 }
 
 /// Buffers of the decode step, allocated once (a captured graph points into them).
@@ -78,10 +132,45 @@ struct StepBuffers {
     u: CudaSlice<f32>,
     part_o: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    moe: MoeBuffers,
     logits: CudaSlice<f32>,
     best: CudaSlice<i32>,
     best_parts: ops::ArgmaxParts,
     acts: DeviceActs,
+}
+
+/// Routing and per-expert outputs of MoE layers, for `rows` tokens (minimal for dense
+/// models).
+struct MoeBuffers {
+    router: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    /// tokens x chosen experts x n_embd.
+    y: CudaSlice<f32>,
+}
+
+impl MoeBuffers {
+    fn new(
+        dev: &CudaDevice,
+        layers: &[GpuLayer],
+        rows: usize,
+        n_embd: usize,
+    ) -> Result<MoeBuffers, CudaError> {
+        let experts: Vec<_> = layers.iter().filter_map(|l| l.ffn.experts()).collect();
+        let n_exp = experts.iter().map(|x| x.gate.n_expert).max().unwrap_or(0);
+        let n_used = experts.iter().map(|x| x.n_used).max().unwrap_or(0);
+        let s = &dev.stream;
+        Ok(MoeBuffers {
+            router: s.alloc_zeros((rows * n_exp).max(1))?,
+            ids: s.alloc_zeros((rows * n_used).max(1))?,
+            weights: s.alloc_zeros((rows * n_used).max(1))?,
+            y: s.alloc_zeros((rows * n_used * n_embd).max(1))?,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        bytes_of(&self.router) + bytes_of(&self.ids) + bytes_of(&self.weights) + bytes_of(&self.y)
+    }
 }
 
 /// Buffers of prompt batches, allocated at the first batch.
@@ -102,6 +191,9 @@ struct BatchBuffers {
     /// One weight matrix dequantized to f16.
     w: CudaSlice<f16>,
     gemm: Gemm,
+    /// MoE layers: the FFN input quantized for the expert kernels, and routing.
+    moe_acts: Option<DeviceActs>,
+    moe: MoeBuffers,
     /// Logits of the rows asked for (grown as needed).
     logits: Option<CudaSlice<f32>>,
 }
@@ -157,9 +249,25 @@ impl<'m> GpuDecoder<'m> {
                 .iter()
                 .map(|w| w.bytes().len())
                 .sum::<usize>();
-            if let Ffn::Dense { gate, up, down } = &l.ffn {
-                weight_bytes += gate.bytes().len() + up.bytes().len() + down.bytes().len();
-            }
+            weight_bytes += match &l.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    gate.bytes().len() + up.bytes().len() + down.bytes().len()
+                }
+                Ffn::Experts {
+                    router,
+                    gate,
+                    up,
+                    down,
+                    ..
+                } => {
+                    router.bytes().len()
+                        + [gate, up, down]
+                            .iter()
+                            .flat_map(|e| e.iter())
+                            .map(|l| l.bytes().len())
+                            .sum::<usize>()
+                }
+            };
         }
         let cache_bytes = 2 * 2 * n_ctx * hp.n_layer * hp.n_head_kv * hd;
         let (free, _) = dev.ctx.mem_get_info()?;
@@ -179,6 +287,7 @@ impl<'m> GpuDecoder<'m> {
             Ok(dev.stream.clone_htod(v)?)
         };
         let mut linears = 0usize;
+        let mut expert_bytes = 0usize;
         let mut upload = |l: &Linear| -> Result<GpuLinear, CudaError> {
             if kernel_for(l.ty()).is_none() {
                 return Err(CudaError::Unsupported {
@@ -202,10 +311,50 @@ impl<'m> GpuDecoder<'m> {
         };
         let mut layers = Vec::with_capacity(model.layers.len());
         for l in &model.layers {
-            let Ffn::Dense { gate, up, down } = &l.ffn else {
-                return Err(CudaError::Invalid(
-                    "mixture-of-experts layers do not run on the GPU yet".into(),
-                ));
+            let ffn = match &l.ffn {
+                Ffn::Dense { gate, up, down } => GpuFfn::Dense {
+                    gate: upload(gate)?,
+                    up: upload(up)?,
+                    down: upload(down)?,
+                },
+                Ffn::Experts {
+                    router,
+                    gate,
+                    up,
+                    down,
+                    n_used,
+                    normalize,
+                } => {
+                    // Each projection's experts, one after the other, in one buffer.
+                    let mut experts = |e: &[Linear]| -> Result<GpuExpertWeights, CudaError> {
+                        let ty = e[0].ty();
+                        if kernel_for(ty).is_none() {
+                            return Err(CudaError::Unsupported {
+                                op: "expert matvec",
+                                ty,
+                            });
+                        }
+                        let bytes: Vec<u8> =
+                            e.iter().flat_map(|l| l.bytes().iter().copied()).collect();
+                        expert_bytes += bytes.len();
+                        Ok(GpuExpertWeights {
+                            w: dev.stream.clone_htod(&bytes)?,
+                            ty,
+                            n_in: e[0].n_in(),
+                            n_out: e[0].n_out(),
+                            n_expert: e.len(),
+                        })
+                    };
+                    let (gate, up, down) = (experts(gate)?, experts(up)?, experts(down)?);
+                    GpuFfn::Experts(GpuExperts {
+                        router: upload(router)?,
+                        gate,
+                        up,
+                        down,
+                        n_used: *n_used,
+                        normalize: *normalize,
+                    })
+                }
             };
             type Upload<'a> = dyn FnMut(&[f32]) -> Result<CudaSlice<f32>, CudaError> + 'a;
             let opt = |v: &Option<Vec<f32>>, up: &mut Upload| v.as_deref().map(up).transpose();
@@ -230,9 +379,7 @@ impl<'m> GpuDecoder<'m> {
                 wo: upload(&l.wo)?,
                 post_attn_norm: opt(&l.post_attn_norm, &mut up_f32)?,
                 ffn_norm: up_f32(&l.ffn_norm)?,
-                gate: upload(gate)?,
-                up: upload(up)?,
-                down: upload(down)?,
+                ffn,
                 post_ffn_norm: opt(&l.post_ffn_norm, &mut up_f32)?,
                 rope: DeviceRope {
                     halves: l.rope.layout == RopeLayout::Halves,
@@ -254,7 +401,8 @@ impl<'m> GpuDecoder<'m> {
             k_cache.push(dev.stream.alloc_zeros(kv)?);
             v_cache.push(dev.stream.alloc_zeros(kv)?);
         }
-        let (e, f) = (hp.n_embd, layers.first().map_or(0, |l| l.gate.n_out));
+        let e = hp.n_embd;
+        let f = layers.iter().map(|l| l.ffn.width()).max().unwrap_or(0);
         let q_len = hp.n_head * hd;
         let widest = e.max(f).max(q_len);
         let s = &dev.stream;
@@ -269,6 +417,7 @@ impl<'m> GpuDecoder<'m> {
             u: s.alloc_zeros(f.max(1))?,
             part_o: s.alloc_zeros(MAX_SPLITS * q_len)?,
             part_ml: s.alloc_zeros(MAX_SPLITS * hp.n_head * 2)?,
+            moe: MoeBuffers::new(&dev, &layers, 1, e)?,
             logits: s.alloc_zeros(hp.n_vocab)?,
             best: s.alloc_zeros(1)?,
             best_parts: ops::ArgmaxParts::new(&dev)?,
@@ -283,6 +432,7 @@ impl<'m> GpuDecoder<'m> {
             .sum::<usize>()
             + bytes_of(&step.part_o)
             + bytes_of(&step.part_ml)
+            + step.moe.bytes()
             + bytes_of(&step.logits)
             + widest * 3;
         let use_graph = std::env::var("MEMRA_CUDA_GRAPH").map_or(true, |v| v != "0");
@@ -302,7 +452,7 @@ impl<'m> GpuDecoder<'m> {
             eager_steps: 0,
             n_ctx,
             len: 0,
-            weight_bytes: linears,
+            weight_bytes: linears + expert_bytes,
             cache_bytes: 2 * 2 * kv * hp.n_layer,
             buffer_bytes,
         })
@@ -474,7 +624,7 @@ impl<'m> GpuDecoder<'m> {
         for (li, l) in self.layers.iter().enumerate() {
             let o = pending.then_some(&s.o);
             s.acts
-                .add_norm_quantize(dev, x, o, x_next, &l.attn_norm, hp.rms_eps)?;
+                .add_norm_quantize(dev, x, o, x_next, &l.attn_norm, 1, hp.rms_eps)?;
             std::mem::swap(&mut x, &mut x_next);
             matvecs(
                 dev,
@@ -514,15 +664,33 @@ impl<'m> GpuDecoder<'m> {
                 ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
             }
             s.acts
-                .add_norm_quantize(dev, x, Some(&s.o), x_next, &l.ffn_norm, hp.rms_eps)?;
+                .add_norm_quantize(dev, x, Some(&s.o), x_next, &l.ffn_norm, 1, hp.rms_eps)?;
             std::mem::swap(&mut x, &mut x_next);
-            matvecs(dev, &s.acts, e, [(&l.gate, &mut s.g), (&l.up, &mut s.u)])?;
             let gelu = m.activation == Activation::GeluTanh;
-            s.acts.gated_quantize(dev, &s.g, &s.u, l.gate.n_out, gelu)?;
-            let down = &l.down;
-            mmvq(
-                dev, down.ty, &down.w, &s.acts, &mut s.o, down.n_in, down.n_out, 1,
-            )?;
+            match &l.ffn {
+                GpuFfn::Dense { gate, up, down } => {
+                    matvecs(dev, &s.acts, e, [(gate, &mut s.g), (up, &mut s.u)])?;
+                    s.acts.gated_quantize(dev, &s.g, &s.u, gate.n_out, gelu)?;
+                    mmvq(
+                        dev, down.ty, &down.w, &s.acts, &mut s.o, down.n_in, down.n_out, 1,
+                    )?;
+                }
+                GpuFfn::Experts(x) => {
+                    let r = &x.router;
+                    mmvq(dev, r.ty, &r.w, &s.acts, &mut s.moe.router, e, r.n_out, 1)?;
+                    moe_ffn(
+                        dev,
+                        x,
+                        &mut s.acts,
+                        &mut s.g,
+                        &mut s.u,
+                        &mut s.moe,
+                        &mut s.o,
+                        1,
+                        gelu,
+                    )?;
+                }
+            }
             if let Some(w) = &l.post_ffn_norm {
                 ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
             }
@@ -530,7 +698,7 @@ impl<'m> GpuDecoder<'m> {
         }
         let o = pending.then_some(&s.o);
         s.acts
-            .add_norm_quantize(dev, x, o, x_next, &self.output_norm, hp.rms_eps)?;
+            .add_norm_quantize(dev, x, o, x_next, &self.output_norm, 1, hp.rms_eps)?;
         let out = &self.output;
         mmvq(
             dev,
@@ -574,14 +742,22 @@ impl<'m> GpuDecoder<'m> {
         if self.batch.is_none() {
             let hp = &self.model.hp;
             let (b, e, hd) = (MAX_BATCH, hp.n_embd, hp.head_dim_k);
-            let f = self.layers.first().map_or(1, |l| l.gate.n_out);
+            let f = self.layers.iter().map(|l| l.ffn.width()).max().unwrap_or(1);
+            let has_experts = self.layers.iter().any(|l| l.ffn.experts().is_some());
             let q_len = hp.n_head * hd;
             let kv_len = hp.n_head_kv * hd;
             // The largest layer matrix; the output and embedding matrices go in row chunks.
             let w_max = self
                 .layers
                 .iter()
-                .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+                .flat_map(|l| {
+                    let mut m = vec![&l.wq, &l.wk, &l.wv, &l.wo];
+                    match &l.ffn {
+                        GpuFfn::Dense { gate, up, down } => m.extend([gate, up, down]),
+                        GpuFfn::Experts(x) => m.push(&x.router),
+                    }
+                    m
+                })
                 .map(|w| w.n_in * w.n_out)
                 .max()
                 .unwrap_or(0)
@@ -601,6 +777,12 @@ impl<'m> GpuDecoder<'m> {
                 row_scale: s.alloc_zeros(b)?,
                 w: s.alloc_zeros(w_max)?,
                 gemm: Gemm::new(&self.dev)?,
+                moe_acts: if has_experts {
+                    Some(DeviceActs::new(&self.dev, b * e.max(f).div_ceil(32) * 32)?)
+                } else {
+                    None
+                },
+                moe: MoeBuffers::new(&self.dev, &self.layers, b, e)?,
                 logits: None,
             };
             self.buffer_bytes += bytes_of(&buffers.x)
@@ -733,14 +915,30 @@ impl<'m> GpuDecoder<'m> {
                 hp.rms_eps,
             )?;
             let xh = b.xh.slice(..n * e);
-            Self::linear(dev, &b.gemm, &mut b.w, &l.gate, &xh, &mut b.g, n)?;
-            Self::linear(dev, &b.gemm, &mut b.w, &l.up, &xh, &mut b.u, n)?;
-            let f = l.gate.n_out;
             let gelu = m.activation == Activation::GeluTanh;
-            ops::gated_f16(dev, &b.g, &b.u, &mut b.xh, &mut b.row_scale, n, f, gelu)?;
-            let xh = b.xh.slice(..n * f);
-            Self::linear(dev, &b.gemm, &mut b.w, &l.down, &xh, &mut b.o, n)?;
-            ops::scale_rows(dev, &mut b.o, &b.row_scale, n, e)?;
+            match &l.ffn {
+                GpuFfn::Dense { gate, up, down } => {
+                    Self::linear(dev, &b.gemm, &mut b.w, gate, &xh, &mut b.g, n)?;
+                    Self::linear(dev, &b.gemm, &mut b.w, up, &xh, &mut b.u, n)?;
+                    let f = gate.n_out;
+                    ops::gated_f16(dev, &b.g, &b.u, &mut b.xh, &mut b.row_scale, n, f, gelu)?;
+                    let xh = b.xh.slice(..n * f);
+                    Self::linear(dev, &b.gemm, &mut b.w, down, &xh, &mut b.o, n)?;
+                    ops::scale_rows(dev, &mut b.o, &b.row_scale, n, e)?;
+                }
+                GpuFfn::Experts(x) => {
+                    // Experts through the decode kernels, every token's chosen experts in
+                    // one launch per projection (no grouped GEMM yet: each token reads its
+                    // experts' weights). The router is a GEMM on the f16 rows.
+                    Self::linear(dev, &b.gemm, &mut b.w, &x.router, &xh, &mut b.moe.router, n)?;
+                    let acts = b.moe_acts.as_mut().expect("allocated with expert layers");
+                    // The normed rows again, as int8 (b.o is free: it takes a copy of x).
+                    acts.add_norm_quantize(dev, &b.x, None, &mut b.o, &l.ffn_norm, n, hp.rms_eps)?;
+                    moe_ffn(
+                        dev, x, acts, &mut b.g, &mut b.u, &mut b.moe, &mut b.o, n, gelu,
+                    )?;
+                }
+            }
             if let Some(w) = &l.post_ffn_norm {
                 ops::rms_norm_inplace(dev, &mut b.o, w, n, hp.rms_eps)?;
             }
@@ -762,7 +960,7 @@ impl<'m> GpuDecoder<'m> {
                 dev.stream.memcpy_dtod(&b.o.slice(last), &mut s.o)?;
                 let o = pending.then_some(&s.o);
                 s.acts
-                    .add_norm_quantize(dev, xa, o, xb, &self.output_norm, hp.rms_eps)?;
+                    .add_norm_quantize(dev, xa, o, xb, &self.output_norm, 1, hp.rms_eps)?;
                 mmvq(
                     dev,
                     out.ty,
@@ -803,6 +1001,40 @@ impl<'m> GpuDecoder<'m> {
         self.softcap(&mut host);
         Ok(host)
     }
+}
+
+/// A mixture-of-experts FFN for `n` tokens whose router logits are in `moe.router` and
+/// whose normed input is quantized in `acts`: route, the chosen experts' gate and up, the
+/// gated activation, their down projections, and the weighted sum into `o`. `acts` is
+/// reused for the gated activations.
+#[allow(clippy::too_many_arguments)]
+fn moe_ffn(
+    dev: &CudaDevice,
+    x: &GpuExperts,
+    acts: &mut DeviceActs,
+    g: &mut CudaSlice<f32>,
+    u: &mut CudaSlice<f32>,
+    moe: &mut MoeBuffers,
+    o: &mut CudaSlice<f32>,
+    n: usize,
+    gelu: bool,
+) -> Result<(), CudaError> {
+    let (n_exp, k) = (x.gate.n_expert, x.n_used);
+    ops::moe_route(
+        dev,
+        &moe.router,
+        &mut moe.ids,
+        &mut moe.weights,
+        n,
+        n_exp,
+        k,
+        x.normalize,
+    )?;
+    mmvq_moe(dev, &x.gate.view(), &moe.ids, k, acts, g, n, false)?;
+    mmvq_moe(dev, &x.up.view(), &moe.ids, k, acts, u, n, false)?;
+    acts.gated_quantize(dev, g, u, n * k * x.gate.n_out, gelu)?;
+    mmvq_moe(dev, &x.down.view(), &moe.ids, k, acts, &mut moe.y, n, true)?;
+    ops::moe_combine(dev, &moe.y, &moe.weights, o, n, k, x.down.n_out)
 }
 
 /// Decode products of `N` matrices with the same input: those of one weight type share a

@@ -122,8 +122,10 @@ impl DeviceActs {
     }
 
     /// `x_out = x + o` (`o` when given), then quantizes `rms_norm(x_out) * w` into this
-    /// buffer: the residual add, the norm and the quantization of a decode step in one
-    /// launch (`x_out` must not be `x`: blocks read all of `x` while others write).
+    /// buffer, for `rows` rows of `w.len()`: the residual add, the norm and the
+    /// quantization of a decode step in one launch (`x_out` must not be `x`: blocks read
+    /// all of a row of `x` while others write).
+    #[allow(clippy::too_many_arguments)]
     pub fn add_norm_quantize(
         &mut self,
         dev: &CudaDevice,
@@ -131,14 +133,16 @@ impl DeviceActs {
         o: Option<&CudaSlice<f32>>,
         x_out: &mut CudaSlice<f32>,
         w: &CudaSlice<f32>,
+        rows: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
         let n = w.len();
+        let total = rows * n;
         if n % 32 != 0
-            || x.len() < n
-            || x_out.len() < n
-            || o.is_some_and(|o| o.len() < n)
-            || self.q.len() < n
+            || x.len() < total
+            || x_out.len() < total
+            || o.is_some_and(|o| o.len() < total)
+            || self.q.len() < total
         {
             return Err(CudaError::Invalid(format!(
                 "add_norm_quantize: {n} elements"
@@ -146,12 +150,13 @@ impl DeviceActs {
         }
         let f = dev.function("quant_matvec", "add_norm_quantize")?;
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256) as u32, 1, 1),
+            grid_dim: (n.div_ceil(256) as u32, rows as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let (n_i, null) = (n as i32, 0u64);
-        // SAFETY: n elements of x, o, x_out and w; n of q and n / 32 of d and s (checked).
+        // SAFETY: rows x n elements of x, o, x_out and q, n of w, rows x n / 32 of d and s
+        // (checked).
         unsafe {
             let mut b = dev.stream.launch_builder(&f);
             b.arg(x);
@@ -267,6 +272,105 @@ pub fn mmvq_set(
             .arg(&x.s)
             .arg(&c)
             .arg(&t)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Expert weights of one projection: `n_expert` matrices of `n_out x n_in`, one after the
+/// other (`stride` bytes apart).
+pub struct ExpertWeights<'a> {
+    pub w: &'a CudaSlice<u8>,
+    pub ty: GgmlType,
+    pub n_in: usize,
+    pub n_out: usize,
+    pub n_expert: usize,
+}
+
+/// The chosen experts' products for `n_tok` tokens: `ids` (`n_tok x n_used`, on the
+/// device) name the experts; the input is each token's row of `x` (`per_slot` false) or
+/// each (token, slot) row (`per_slot` true); `y` gets `n_tok x n_used x n_out`.
+#[allow(clippy::too_many_arguments)]
+pub fn mmvq_moe(
+    dev: &CudaDevice,
+    e: &ExpertWeights,
+    ids: &CudaSlice<i32>,
+    n_used: usize,
+    x: &DeviceActs,
+    y: &mut CudaSlice<f32>,
+    n_tok: usize,
+    per_slot: bool,
+) -> Result<(), CudaError> {
+    let name = match e.ty {
+        GgmlType::F32 => "mmvq_moe_f32",
+        GgmlType::F16 => "mmvq_moe_f16",
+        GgmlType::Bf16 => "mmvq_moe_bf16",
+        GgmlType::Q4_0 => "mmvq_moe_q4_0",
+        GgmlType::Q4_1 => "mmvq_moe_q4_1",
+        GgmlType::Q5_0 => "mmvq_moe_q5_0",
+        GgmlType::Q5_1 => "mmvq_moe_q5_1",
+        GgmlType::Q8_0 => "mmvq_moe_q8_0",
+        GgmlType::Q2K => "mmvq_moe_q2_k",
+        GgmlType::Q3K => "mmvq_moe_q3_k",
+        GgmlType::Q4K => "mmvq_moe_q4_k",
+        GgmlType::Q5K => "mmvq_moe_q5_k",
+        GgmlType::Q6K => "mmvq_moe_q6_k",
+        GgmlType::Iq4Nl => "mmvq_moe_iq4_nl",
+        GgmlType::Iq4Xs => "mmvq_moe_iq4_xs",
+        ty => {
+            return Err(CudaError::Unsupported {
+                op: "expert matvec",
+                ty,
+            })
+        }
+    };
+    let stride = e.ty.row_bytes(e.n_in as u64).ok_or_else(|| {
+        CudaError::Invalid(format!("{} columns are not whole {} blocks", e.n_in, e.ty))
+    })? as usize
+        * e.n_out;
+    let rows_in = if per_slot { n_tok * n_used } else { n_tok };
+    if e.w.len() < stride * e.n_expert
+        || ids.len() < n_tok * n_used
+        || x.q.len() < rows_in * e.n_in
+        || y.len() < n_tok * n_used * e.n_out
+        || e.n_in % 32 != 0
+    {
+        return Err(CudaError::Invalid("expert matvec: shapes".into()));
+    }
+    let rows_per_block = ROWS_PER_BLOCK * if e.ty == GgmlType::Q4K { 2 } else { 1 };
+    let f = dev.function("quant_matvec", name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (e.n_out as u32).div_ceil(rows_per_block),
+            n_used as u32,
+            n_tok as u32,
+        ),
+        block_dim: (32 * ROWS_PER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (st, nu, c, r, ps) = (
+        stride as i64,
+        n_used as i32,
+        e.n_in as i32,
+        e.n_out as i32,
+        i32::from(per_slot),
+    );
+    // SAFETY: shapes checked above; the ids are expert indices below n_expert (written by
+    // moe_route from n_expert router logits).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(e.w)
+            .arg(&st)
+            .arg(ids)
+            .arg(&nu)
+            .arg(&x.q)
+            .arg(&x.d)
+            .arg(&x.s)
+            .arg(y)
+            .arg(&c)
+            .arg(&r)
+            .arg(&ps)
             .launch(cfg)?;
     }
     Ok(())

@@ -525,6 +525,86 @@ pub fn argmax(
     Ok(())
 }
 
+/// MoE routing of `n_tok` tokens: softmax over `n_exp` router logits, the `n_used` most
+/// probable experts into `ids`, their probabilities (renormalized when `normalize`) into
+/// `weights` (both `n_tok x n_used`).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route(
+    dev: &CudaDevice,
+    logits: &CudaSlice<f32>,
+    ids: &mut CudaSlice<i32>,
+    weights: &mut CudaSlice<f32>,
+    n_tok: usize,
+    n_exp: usize,
+    n_used: usize,
+    normalize: bool,
+) -> Result<(), CudaError> {
+    check(
+        logits.len() >= n_tok * n_exp
+            && ids.len() >= n_tok * n_used
+            && weights.len() >= n_tok * n_used
+            && (1..=16).contains(&n_used)
+            && n_used <= n_exp
+            && n_exp <= 1024,
+        "moe_route: shapes (at most 1024 experts, 16 used)",
+    )?;
+    let f = dev.function("moe", "moe_route")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n_tok as u32, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (ne, nu, norm) = (n_exp as i32, n_used as i32, i32::from(normalize));
+    // SAFETY: shapes checked above.
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(logits)
+            .arg(ids)
+            .arg(weights)
+            .arg(&ne)
+            .arg(&nu)
+            .arg(&norm)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// `out[t] = sum_k weights[t][k] * y[t][k]` for `n_tok` tokens (`y`: `n_tok x n_used x n`).
+pub fn moe_combine(
+    dev: &CudaDevice,
+    y: &CudaSlice<f32>,
+    weights: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    n_tok: usize,
+    n_used: usize,
+    n: usize,
+) -> Result<(), CudaError> {
+    check(
+        y.len() >= n_tok * n_used * n && weights.len() >= n_tok * n_used && out.len() >= n_tok * n,
+        "moe_combine: shapes",
+    )?;
+    let f = dev.function("moe", "moe_combine")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n_tok as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (nu, n_i) = (n_used as i32, n as i32);
+    // SAFETY: shapes checked above.
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(y)
+            .arg(weights)
+            .arg(out)
+            .arg(&nu)
+            .arg(&n_i)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
 /// The ggml type id the device decoders dispatch on, for the types they know.
 fn device_type_id(ty: GgmlType) -> Option<i32> {
     super::matvec::kernel_for(ty).map(|_| ty as u32 as i32)

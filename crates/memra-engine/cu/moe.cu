@@ -1,0 +1,73 @@
+// Mixture-of-experts routing and the weighted sum of the chosen experts' outputs (the
+// expert products themselves are the mmvq_moe_* kernels of quant_matvec.cu).
+#include "common.cuh"
+
+#define MAX_USED 16
+
+// Per token (one warp each): softmax over the router's n_exp logits, the n_used most
+// probable experts (ties: the lower index, as the CPU engine sorts), their probabilities
+// renormalized to sum to one when `normalize`. ids, weights: n_tok x n_used.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ ids,
+                                     float* __restrict__ weights, int n_exp, int n_used, int normalize) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const float* l = logits + (size_t)t * n_exp;
+    float mx = -INFINITY;
+    for (int i = lane; i < n_exp; i += WARP_SIZE) mx = fmaxf(mx, l[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+    float sum = 0.0f;
+    for (int i = lane; i < n_exp; i += WARP_SIZE) sum += expf(l[i] - mx);
+    sum = warp_sum(sum);
+    // Pick the best remaining expert n_used times; `taken` marks chosen ones per lane slot.
+    uint32_t taken = 0;  // bit k: expert lane + 32k chosen (n_exp <= 1024)
+    float chosen_p[MAX_USED];
+    int chosen_i[MAX_USED];
+    float total = 0.0f;
+    for (int k = 0; k < n_used; ++k) {
+        float best = -INFINITY;
+        int at = 0x7fffffff;
+        for (int i = lane, j = 0; i < n_exp; i += WARP_SIZE, ++j) {
+            if (!((taken >> j) & 1) && (l[i] > best || (l[i] == best && i < at))) {
+                best = l[i];
+                at = i;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float b = __shfl_xor_sync(0xffffffff, best, o);
+            const int a = __shfl_xor_sync(0xffffffff, at, o);
+            if (b > best || (b == best && a < at)) {
+                best = b;
+                at = a;
+            }
+        }
+        if (at % WARP_SIZE == lane) taken |= 1u << (at / WARP_SIZE);
+        chosen_i[k] = at;
+        chosen_p[k] = expf(best - mx) / sum;
+        total += chosen_p[k];
+    }
+    if (lane < n_used) {
+        float p = 0.0f;
+        int id = 0;
+        for (int k = 0; k < MAX_USED; ++k) {
+            if (k == lane) {
+                p = chosen_p[k];
+                id = chosen_i[k];
+            }
+        }
+        ids[(size_t)t * n_used + lane] = id;
+        weights[(size_t)t * n_used + lane] = normalize ? p / total : p;
+    }
+}
+
+// out[t] = sum over k of weights[t][k] * y[t][k] (y: n_tok x n_used x n); one block per
+// token.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
+                                       float* __restrict__ out, int n_used, int n) {
+    const int t = blockIdx.x;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int k = 0; k < n_used; ++k) acc += weights[(size_t)t * n_used + k] * y[((size_t)t * n_used + k) * n + i];
+        out[(size_t)t * n + i] = acc;
+    }
+}
