@@ -213,13 +213,14 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     }
 }
 
-#define ATTN_DECODE(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * WARP_SIZE)                                     \
-        attn_decode_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                      \
-                         const __half* __restrict__ v_cache, float* __restrict__ part_o,                       \
-                         float* __restrict__ part_ml, const int* __restrict__ pos, int n_head, int n_head_kv,  \
-                         int window, float scale, int n_split) {                                               \
-        attn_decode<D>(q, k_cache, v_cache, part_o, part_ml, pos, n_head, n_head_kv, window, scale, n_split);  \
+#define ATTN_DECODE(D)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * WARP_SIZE)                                          \
+        attn_decode_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                           \
+                         const __half* __restrict__ v_cache, float* __restrict__ part_o,                            \
+                         float* __restrict__ part_ml, const int* __restrict__ pos, int n_head, int n_head_kv,       \
+                         int window, float scale, int n_split) {                                                    \
+        PDL_WAIT();                                                                                                 \
+        attn_decode<D>(q, k_cache, v_cache, part_o, part_ml, pos, n_head, n_head_kv, window, scale, n_split);       \
     }
 
 ATTN_DECODE(32)
@@ -238,6 +239,7 @@ ATTN_DECODE(256)
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         float* __restrict__ out, int8_t* __restrict__ xq, float* __restrict__ xd,
                                         float* __restrict__ xs, int n_head, int d_head, int n_split) {
+    PDL_WAIT();
     __shared__ float weight[MAX_SPLITS];
     const int h = blockIdx.x, d = threadIdx.x;
     float mx = -INFINITY;
@@ -380,13 +382,14 @@ __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const 
     }
 }
 
-#define ATTN_PREFILL(D)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * WARP_SIZE)                                    \
-        attn_prefill_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                     \
-                          const __half* __restrict__ v_cache, __half* __restrict__ out,                        \
-                          const int* __restrict__ pos, int n_q, int n_head, int n_head_kv, int window,         \
-                          float scale) {                                                                       \
-        attn_prefill<D>(q, k_cache, v_cache, out, pos, n_q, n_head, n_head_kv, window, scale);                  \
+#define ATTN_PREFILL(D)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * WARP_SIZE)                                         \
+        attn_prefill_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                          \
+                          const __half* __restrict__ v_cache, __half* __restrict__ out,                             \
+                          const int* __restrict__ pos, int n_q, int n_head, int n_head_kv, int window,              \
+                          float scale) {                                                                            \
+        PDL_WAIT();                                                                                                 \
+        attn_prefill<D>(q, k_cache, v_cache, out, pos, n_q, n_head, n_head_kv, window, scale);                      \
     }
 
 ATTN_PREFILL(32)

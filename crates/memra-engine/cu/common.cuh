@@ -6,6 +6,16 @@
 
 #define WARP_SIZE 32
 
+// Programmatic dependent launch (sm_90+): in the captured decode graph a kernel may be
+// launched while its predecessor is still finishing; it waits here, before touching
+// memory, until the predecessor has completed and its writes are visible. Elsewhere (no
+// programmatic dependency, or an older arch) this is a no-op. Every kernel starts with it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_WAIT()
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {

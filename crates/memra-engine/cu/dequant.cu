@@ -23,10 +23,11 @@ __device__ __forceinline__ void dequant_f16(const uint8_t* __restrict__ W, __hal
     for (int k = 0; k < 4; ++k) dst[k] = ((const uint4*)h)[k];
 }
 
-#define DEQUANT_F16(name, T)                                                                                 \
-    extern "C" __global__ void name(const uint8_t* __restrict__ W, __half* __restrict__ out, int ncols,      \
-                                    long long n_subs) {                                                      \
-        dequant_f16<T>(W, out, ncols, n_subs);                                                               \
+#define DEQUANT_F16(name, T)                                                                                        \
+    extern "C" __global__ void name(const uint8_t* __restrict__ W, __half* __restrict__ out, int ncols,             \
+                                    long long n_subs) {                                                             \
+        PDL_WAIT();                                                                                                 \
+        dequant_f16<T>(W, out, ncols, n_subs);                                                                      \
     }
 
 DEQUANT_F16(dequant_f16_q4_0, T_Q4_0)
@@ -45,12 +46,14 @@ DEQUANT_F16(dequant_f16_iq4_xs, T_IQ4_XS)
 // The float types: f32 and bf16 converted element-wise (F16 weights are used as they are).
 // bf16 values beyond f16's range saturate; weights do not reach it in practice.
 extern "C" __global__ void dequant_f16_f32(const float* __restrict__ W, __half* __restrict__ out, long long n) {
+    PDL_WAIT();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = __float2half(W[i]);
 }
 
 extern "C" __global__ void dequant_f16_bf16(const uint16_t* __restrict__ W, __half* __restrict__ out,
                                             long long n) {
+    PDL_WAIT();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = __float2half(__uint_as_float((uint32_t)W[i] << 16));
 }
@@ -71,6 +74,7 @@ __device__ __forceinline__ void embed_row(const uint8_t* __restrict__ W, int id,
 
 extern "C" __global__ void embed_rows(const uint8_t* __restrict__ W, int ty, const int* __restrict__ ids,
                                       float* __restrict__ out, int ncols, float scale) {
+    PDL_WAIT();
     const int id = ids[blockIdx.x];
     float* o = out + (size_t)blockIdx.x * ncols;
 #define EMBED(T) embed_row<T>(W, id, o, ncols, scale)

@@ -5,6 +5,7 @@
 
 // y[r][i] += b[i] for rows of length n (total elements `total`).
 extern "C" __global__ void add_bias_f32(float* __restrict__ y, const float* __restrict__ b, int n, int total) {
+    PDL_WAIT();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < total) y[i] += b[i % n];
 }
@@ -15,6 +16,7 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ y, const float* __re
 // gets the factor that scale_rows applies to the projection's output.
 extern "C" __global__ void gated_f16(const float* __restrict__ g, const float* __restrict__ u,
                                      __half* __restrict__ out, float* __restrict__ inv_scale, int n, int gelu) {
+    PDL_WAIT();
     const size_t base = (size_t)blockIdx.x * n;
     float amax = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) amax = fmaxf(amax, fabsf(gate_act(g[base + i], gelu) * u[base + i]));
@@ -28,6 +30,7 @@ extern "C" __global__ void gated_f16(const float* __restrict__ g, const float* _
 
 // x[row] *= s[row] for rows of n (one block per row).
 extern "C" __global__ void scale_rows(float* __restrict__ x, const float* __restrict__ s, int n) {
+    PDL_WAIT();
     const float f = s[blockIdx.x];
     if (f == 1.0f) return;
     for (int i = threadIdx.x; i < n; i += blockDim.x) x[(size_t)blockIdx.x * n + i] *= f;
@@ -67,6 +70,7 @@ __device__ __forceinline__ void block_argmax(float& best, int& at) {
 
 extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, float* __restrict__ part_v,
                                           int* __restrict__ part_i) {
+    PDL_WAIT();
     float best = -INFINITY;
     int at = 0x7fffffff;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) better(best, at, x[i], i);
@@ -79,6 +83,7 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, fl
 
 extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const int* __restrict__ part_i,
                                         int n_parts, int* __restrict__ out) {
+    PDL_WAIT();
     float best = -INFINITY;
     int at = 0x7fffffff;
     for (int i = threadIdx.x; i < n_parts; i += blockDim.x) better(best, at, part_v[i], part_i[i]);

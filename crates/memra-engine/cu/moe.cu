@@ -9,6 +9,7 @@
 // renormalized to sum to one when `normalize`. ids, weights: n_tok x n_used.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ ids,
                                      float* __restrict__ weights, int n_exp, int n_used, int normalize) {
+    PDL_WAIT();
     const int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (size_t)t * n_exp;
     float mx = -INFINITY;
@@ -64,6 +65,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
 // token.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
                                        float* __restrict__ out, int n_used, int n) {
+    PDL_WAIT();
     const int t = blockIdx.x;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float acc = 0.0f;

@@ -5,6 +5,7 @@
 // Matches the CPU reference: x / sqrt(mean(x^2) + eps) * w, accumulated in f32.
 extern "C" __global__ void rms_norm_inplace_f32(float* __restrict__ x, const float* __restrict__ weight, int n,
                                                 float eps) {
+    PDL_WAIT();
     float* xr = x + (size_t)blockIdx.x * n;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -20,6 +21,7 @@ extern "C" __global__ void rms_norm_inplace_f32(float* __restrict__ x, const flo
 // f16 for the next GEMM. One block per row of n.
 extern "C" __global__ void add_norm_f16(float* __restrict__ x, const float* __restrict__ o,
                                         const float* __restrict__ w, __half* __restrict__ out, int n, float eps) {
+    PDL_WAIT();
     float* xr = x + (size_t)blockIdx.x * n;
     const float* orow = o ? o + (size_t)blockIdx.x * n : nullptr;
     float ss = 0.0f;

@@ -241,19 +241,19 @@ __device__ __forceinline__ size_t row_bytes_of(int ty, int ncols) {
 }
 
 // Calls F<T>() for the runtime type id `ty`; returns false for a type without a decoder.
-#define DISPATCH_QUANT_TYPES(ty, CALL) \
-    switch (ty) {                      \
-        case T_Q4_0: CALL(T_Q4_0); break;       \
-        case T_Q4_1: CALL(T_Q4_1); break;       \
-        case T_Q5_0: CALL(T_Q5_0); break;       \
-        case T_Q5_1: CALL(T_Q5_1); break;       \
-        case T_Q8_0: CALL(T_Q8_0); break;       \
-        case T_IQ4_NL: CALL(T_IQ4_NL); break;   \
-        case T_Q2_K: CALL(T_Q2_K); break;       \
-        case T_Q3_K: CALL(T_Q3_K); break;       \
-        case T_Q4_K: CALL(T_Q4_K); break;       \
-        case T_Q5_K: CALL(T_Q5_K); break;       \
-        case T_Q6_K: CALL(T_Q6_K); break;       \
-        case T_IQ4_XS: CALL(T_IQ4_XS); break;   \
-        default: break;                         \
+#define DISPATCH_QUANT_TYPES(ty, CALL)                                                                              \
+    switch (ty) {                                                                                                   \
+        case T_Q4_0: CALL(T_Q4_0); break;                                                                           \
+        case T_Q4_1: CALL(T_Q4_1); break;                                                                           \
+        case T_Q5_0: CALL(T_Q5_0); break;                                                                           \
+        case T_Q5_1: CALL(T_Q5_1); break;                                                                           \
+        case T_Q8_0: CALL(T_Q8_0); break;                                                                           \
+        case T_IQ4_NL: CALL(T_IQ4_NL); break;                                                                       \
+        case T_Q2_K: CALL(T_Q2_K); break;                                                                           \
+        case T_Q3_K: CALL(T_Q3_K); break;                                                                           \
+        case T_Q4_K: CALL(T_Q4_K); break;                                                                           \
+        case T_Q5_K: CALL(T_Q5_K); break;                                                                           \
+        case T_Q6_K: CALL(T_Q6_K); break;                                                                           \
+        case T_IQ4_XS: CALL(T_IQ4_XS); break;                                                                       \
+        default: break;                                                                                             \
     }

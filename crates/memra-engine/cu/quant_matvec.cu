@@ -19,6 +19,7 @@
 // One warp per 32 activations.
 extern "C" __global__ void quantize_act_q8(const float* __restrict__ x, int8_t* __restrict__ q,
                                            float* __restrict__ d, float* __restrict__ s, int n) {
+    PDL_WAIT();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     quantize_warp_block(i < n ? x[i] : 0.0f, i, i < n, q, d, s);
 }
@@ -244,18 +245,19 @@ struct MatvecSet {
     int first[4];
 };
 
-#define MMVQ(name, FN)                                                                                   \
-    extern "C" __global__ void                                                                          \
-        name(MatvecSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,               \
-             const float* __restrict__ XS, int ncols, int ntok) {                                       \
-        /* Selects, not indexing: a dynamic index would copy the set to local memory. */              \
-        const int b = blockIdx.x;                                                                       \
-        const bool m2 = b >= set.first[2], m1 = !m2 && b >= set.first[1];                               \
-        const int first = m2 ? set.first[2] : m1 ? set.first[1] : 0;                                    \
-        const uint8_t* w = m2 ? set.w[2] : m1 ? set.w[1] : set.w[0];                                    \
-        float* y = m2 ? set.y[2] : m1 ? set.y[1] : set.y[0];                                            \
-        const int nrows = m2 ? set.nrows[2] : m1 ? set.nrows[1] : set.nrows[0];                         \
-        FN(b - first, w, XQ, XD, XS, y, ncols, nrows, ntok);                                            \
+#define MMVQ(name, FN)                                                                                              \
+    extern "C" __global__ void                                                                                      \
+        name(MatvecSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,                            \
+             const float* __restrict__ XS, int ncols, int ntok) {                                                   \
+        PDL_WAIT();                                                                                                 \
+        /* Selects, not indexing: a dynamic index would copy the set to local memory. */                            \
+        const int b = blockIdx.x;                                                                                   \
+        const bool m2 = b >= set.first[2], m1 = !m2 && b >= set.first[1];                                           \
+        const int first = m2 ? set.first[2] : m1 ? set.first[1] : 0;                                                \
+        const uint8_t* w = m2 ? set.w[2] : m1 ? set.w[1] : set.w[0];                                                \
+        float* y = m2 ? set.y[2] : m1 ? set.y[1] : set.y[0];                                                        \
+        const int nrows = m2 ? set.nrows[2] : m1 ? set.nrows[1] : set.nrows[0];                                     \
+        FN(b - first, w, XQ, XD, XS, y, ncols, nrows, ntok);                                                        \
     }
 
 MMVQ(mmvq_q4_k, mmvq_q4_k)
@@ -277,16 +279,17 @@ MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
 // Experts: block (b, k, t) computes rows of expert ids[t][k] (weights at W + id * stride)
 // for token t; its input is token t's activations (gate and up: `per_slot` 0) or the
 // (t, k) row of its own (down: `per_slot` 1); its output is the (t, k) row of Y.
-#define MMVQ_MOE(name, FN)                                                                               \
-    extern "C" __global__ void name(const uint8_t* __restrict__ W, long long stride,                    \
-                                    const int* __restrict__ ids, int n_used, const int8_t* __restrict__ XQ, \
-                                    const float* __restrict__ XD, const float* __restrict__ XS,         \
-                                    float* __restrict__ Y, int ncols, int nrows, int per_slot) {        \
-        const int k = blockIdx.y, t = blockIdx.z;                                                       \
-        const size_t slot = (size_t)t * n_used + k;                                                     \
-        const size_t x = per_slot ? slot : t;                                                           \
-        FN(blockIdx.x, W + ids[slot] * stride, XQ + x * ncols, XD + x * (ncols / 32),                   \
-           XS + x * (ncols / 32), Y + slot * nrows, ncols, nrows, 1);                                   \
+#define MMVQ_MOE(name, FN)                                                                                          \
+    extern "C" __global__ void name(const uint8_t* __restrict__ W, long long stride,                                \
+                                    const int* __restrict__ ids, int n_used, const int8_t* __restrict__ XQ,         \
+                                    const float* __restrict__ XD, const float* __restrict__ XS,                     \
+                                    float* __restrict__ Y, int ncols, int nrows, int per_slot) {                    \
+        PDL_WAIT();                                                                                                 \
+        const int k = blockIdx.y, t = blockIdx.z;                                                                   \
+        const size_t slot = (size_t)t * n_used + k;                                                                 \
+        const size_t x = per_slot ? slot : t;                                                                       \
+        FN(blockIdx.x, W + ids[slot] * stride, XQ + x * ncols, XD + x * (ncols / 32),                               \
+           XS + x * (ncols / 32), Y + slot * nrows, ncols, nrows, 1);                                               \
     }
 
 MMVQ_MOE(mmvq_moe_q4_k, mmvq_q4_k)
@@ -314,6 +317,7 @@ extern "C" __global__ void add_norm_quantize(const float* __restrict__ x, const 
                                              float* __restrict__ x_out, const float* __restrict__ w,
                                              int8_t* __restrict__ q, float* __restrict__ d,
                                              float* __restrict__ s, int n, float eps) {
+    PDL_WAIT();
     // Row blockIdx.y of several (prompt batches); the quantized rows follow each other.
     const size_t r = blockIdx.y;
     x += r * n;
@@ -339,6 +343,7 @@ extern "C" __global__ void add_norm_quantize(const float* __restrict__ x, const 
 extern "C" __global__ void gated_quantize(const float* __restrict__ g, const float* __restrict__ u,
                                           int8_t* __restrict__ q, float* __restrict__ d,
                                           float* __restrict__ s, int n, int gelu) {
+    PDL_WAIT();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     float v = 0.0f;
     if (i < n) {

@@ -25,6 +25,7 @@ extern "C" __global__ void rope_qk_append(float* __restrict__ q, const float* __
                                           __half* __restrict__ v_cache, int n_head, int n_head_kv, int head_dim,
                                           int dv, int n_dims, const int* __restrict__ pos, float base,
                                           float freq_scale, const float* __restrict__ freq_factors, int halves) {
+    PDL_WAIT();
     const int half = n_dims / 2;
     const int q_pairs = n_head * half, k_pairs = n_head_kv * half;
     const int k_rest = n_head_kv * (head_dim - n_dims), v_n = n_head_kv * dv;

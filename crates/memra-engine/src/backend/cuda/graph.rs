@@ -6,11 +6,19 @@
 //! When it changes (every `KEYS_PER_SPLIT` positions), the attention and combine nodes of
 //! the instantiated graph are rewritten in place with `cuGraphExecKernelNodeSetParams`
 //! instead of capturing again.
+//!
+//! On sm_90 and later the edges between kernels are made programmatic before the graph is
+//! instantiated (programmatic dependent launch): a kernel is launched while its
+//! predecessor's last blocks still run, and waits for it on the device (`PDL_WAIT` at the
+//! start of every kernel), which hides most of the launch gap between the step's ~450
+//! kernels.
 
 use std::ffi::c_void;
 
-use cudarc::driver::sys::{self, CUfunction, CUgraphNode, CUDA_KERNEL_NODE_PARAMS};
-use cudarc::driver::{CudaGraph, DriverError};
+use cudarc::driver::sys::{
+    self, CUfunction, CUgraph, CUgraphExec, CUgraphNode, CUDA_KERNEL_NODE_PARAMS,
+};
+use cudarc::driver::CudaStream;
 
 use super::{CudaDevice, CudaError};
 
@@ -27,7 +35,9 @@ struct KernelNode {
 }
 
 pub struct DecodeGraph {
-    graph: CudaGraph,
+    graph: CUgraph,
+    exec: CUgraphExec,
+    stream: std::sync::Arc<CudaStream>,
     /// Each layer's decode attention node and its combine node, in capture order.
     attention: Vec<(KernelNode, KernelNode)>,
     n_split: usize,
@@ -51,28 +61,58 @@ impl DecodeGraph {
         let s = &dev.stream;
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let recorded = record();
-        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
-        recorded?;
-        let graph = graph?.ok_or_else(|| CudaError::Invalid("captured an empty graph".into()))?;
+        let mut graph: CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above on this stream.
+        let ended = unsafe { check(sys::cuStreamEndCapture(s.cu_stream(), &mut graph)) };
+        let destroy = |g: CUgraph| {
+            if !g.is_null() {
+                // SAFETY: a graph this function created and no one else holds.
+                unsafe { sys::cuGraphDestroy(g) };
+            }
+        };
+        if let Err(e) = recorded.and(ended) {
+            destroy(graph);
+            return Err(e);
+        }
+        if graph.is_null() {
+            return Err(CudaError::Invalid("captured an empty graph".into()));
+        }
+        let built = (|| {
+            if dev.compute_capability.0 >= 9 {
+                make_edges_programmatic(graph)?;
+            }
+            let mut exec: CUgraphExec = std::ptr::null_mut();
+            // SAFETY: a complete graph; the exec is destroyed with it (Drop).
+            unsafe { check(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0))? };
+            Ok(exec)
+        })();
+        let exec = match built {
+            Ok(exec) => exec,
+            Err(e) => {
+                destroy(graph);
+                return Err(e);
+            }
+        };
+        let mut this = DecodeGraph {
+            graph,
+            exec,
+            stream: s.clone(),
+            attention: Vec::new(),
+            n_split,
+        };
         // The kernel nodes in capture order: one stream records a chain, and the driver
         // lists a captured graph's nodes in the order they were added.
         let mut count = 0usize;
         // SAFETY: the graph is live; the first call asks for the count, the second fills.
         unsafe {
             check(sys::cuGraphGetNodes(
-                graph.cu_graph(),
+                graph,
                 std::ptr::null_mut(),
                 &mut count,
             ))?
         };
         let mut nodes = vec![std::ptr::null_mut(); count];
-        unsafe {
-            check(sys::cuGraphGetNodes(
-                graph.cu_graph(),
-                nodes.as_mut_ptr(),
-                &mut count,
-            ))?
-        };
+        unsafe { check(sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count))? };
         let mut mains = Vec::new();
         let mut combines = Vec::new();
         for node in nodes {
@@ -98,11 +138,8 @@ impl DecodeGraph {
                 combines.len()
             )));
         }
-        Ok(DecodeGraph {
-            graph,
-            attention: mains.into_iter().zip(combines).collect(),
-            n_split,
-        })
+        this.attention = mains.into_iter().zip(combines).collect();
+        Ok(this)
     }
 
     /// Rewrites the attention nodes for `n_split` splits (nothing when unchanged).
@@ -110,7 +147,7 @@ impl DecodeGraph {
         if n_split == self.n_split {
             return Ok(());
         }
-        let exec = self.graph.cu_graph_exec();
+        let exec = self.exec;
         let mut value = n_split as i32;
         for (main, combine) in &self.attention {
             for (k, arity, at, grid_y) in [
@@ -140,7 +177,77 @@ impl DecodeGraph {
         Ok(())
     }
 
-    pub fn launch(&self) -> Result<(), DriverError> {
-        self.graph.launch()
+    pub fn launch(&self) -> Result<(), CudaError> {
+        // SAFETY: the exec is live; the stream is the one the graph was captured on.
+        unsafe { check(sys::cuGraphLaunch(self.exec, self.stream.cu_stream())) }
     }
+}
+
+impl Drop for DecodeGraph {
+    fn drop(&mut self) {
+        // SAFETY: both were created for this graph alone; nothing runs after the stream
+        // is synchronized.
+        unsafe {
+            let _ = self.stream.synchronize();
+            sys::cuGraphExecDestroy(self.exec);
+            sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// Turns every kernel-to-kernel edge of `graph` into a programmatic one (the successor may
+/// launch as its predecessor's blocks finish; it waits on the device before reading).
+fn make_edges_programmatic(graph: CUgraph) -> Result<(), CudaError> {
+    let mut n = 0usize;
+    // SAFETY: the graph is live and not instantiated yet; the first call counts the edges.
+    unsafe {
+        check(sys::cuGraphGetEdges_v2(
+            graph,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut n,
+        ))?
+    };
+    let mut from = vec![std::ptr::null_mut(); n];
+    let mut to = vec![std::ptr::null_mut(); n];
+    let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
+    unsafe {
+        check(sys::cuGraphGetEdges_v2(
+            graph,
+            from.as_mut_ptr(),
+            to.as_mut_ptr(),
+            data.as_mut_ptr(),
+            &mut n,
+        ))?
+    };
+    let is_kernel = |node: CUgraphNode| -> Result<bool, CudaError> {
+        let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of the live graph.
+        unsafe { check(sys::cuGraphNodeGetType(node, &mut ty))? };
+        Ok(ty == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL)
+    };
+    for i in 0..n {
+        if !(is_kernel(from[i])? && is_kernel(to[i])?) {
+            continue;
+        }
+        let mut programmatic = data[i];
+        programmatic.type_ =
+            sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+        programmatic.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+        // SAFETY: replaces an existing edge of the live graph by its programmatic form.
+        unsafe {
+            check(sys::cuGraphRemoveDependencies_v2(
+                graph, &from[i], &to[i], &data[i], 1,
+            ))?;
+            check(sys::cuGraphAddDependencies_v2(
+                graph,
+                &from[i],
+                &to[i],
+                &programmatic,
+                1,
+            ))?;
+        }
+    }
+    Ok(())
 }
