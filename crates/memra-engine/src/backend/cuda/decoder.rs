@@ -1,5 +1,6 @@
-//! The decoder on the GPU: the same [`Decoder`] the CPU engine runs (every dense
-//! architecture), with its weights uploaded in their quantized form and an f16 KV cache.
+//! The decoder on the GPU: the same [`Decoder`] the CPU engine runs (every architecture,
+//! mixture-of-experts layers included), with its weights uploaded in their quantized form
+//! and an f16 KV cache.
 //!
 //! Two paths:
 //! - one token (decode): int8 activations and the `mmvq` kernels, split-K attention, the
@@ -587,11 +588,9 @@ impl<'m> GpuDecoder<'m> {
                     .dev
                     .function("attention", "attn_combine")?
                     .cu_function();
-                let dev = &self.dev as *const CudaDevice;
-                // SAFETY: `record_step` borrows self mutably inside the closure; the device
-                // reference it captures is only used to begin and end the capture around it.
+                let (stream, cc) = (self.dev.stream.clone(), self.dev.compute_capability);
                 let graph =
-                    DecodeGraph::capture(unsafe { &*dev }, n_split, &attention, combine, || {
+                    DecodeGraph::capture(&stream, cc, n_split, &attention, combine, || {
                         self.record_step(n_split)
                     })?;
                 self.graph = Some(graph);
@@ -1279,5 +1278,32 @@ mod tests {
             }
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// A model and context larger than the GPU's free memory is refused before anything is
+    /// allocated, with the sizes and the way out named; a token outside the vocabulary and
+    /// a full context are errors, not crashes.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
+    fn gpu_bad_requests_are_clear_errors() {
+        let path = test_models().remove(0);
+        let model = Model::load(std::path::Path::new(&path)).unwrap();
+        let d = &model.decoder;
+        let err = GpuDecoder::new(0, d, 100_000_000)
+            .err()
+            .expect("too large")
+            .to_string();
+        assert!(
+            err.contains("MiB of GPU memory") && err.contains("-c"),
+            "{err}"
+        );
+        let mut gpu = GpuDecoder::new(0, d, 4).unwrap();
+        let err = gpu
+            .forward(&[d.hp.n_vocab as u32], LogitRows::Last)
+            .unwrap_err();
+        assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+        gpu.forward(&[1, 2, 3, 4], LogitRows::Last).unwrap();
+        let err = gpu.forward(&[1], LogitRows::Last).unwrap_err();
+        assert!(err.to_string().contains("context is full"), "{err}");
     }
 }

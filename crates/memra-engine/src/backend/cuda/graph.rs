@@ -20,7 +20,7 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::CudaStream;
 
-use super::{CudaDevice, CudaError};
+use super::CudaError;
 
 /// Arguments of `attn_decode_d*` and `attn_combine` (cu/attention.cu): their count and the
 /// index of `n_split`.
@@ -48,17 +48,18 @@ fn check(r: sys::CUresult) -> Result<(), CudaError> {
 }
 
 impl DecodeGraph {
-    /// Captures the launches `record` makes on the device's stream (nothing may allocate
-    /// or synchronize there), captured with `n_split` attention splits. `attention` and
+    /// Captures the launches `record` makes on `stream` (nothing may allocate or
+    /// synchronize there), captured with `n_split` attention splits. `attention` and
     /// `combine` are the two attention kernels whose split count is rewritten later.
     pub fn capture(
-        dev: &CudaDevice,
+        stream: &std::sync::Arc<CudaStream>,
+        compute_capability: (i32, i32),
         n_split: usize,
         attention: &[CUfunction],
         combine: CUfunction,
         record: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<DecodeGraph, CudaError> {
-        let s = &dev.stream;
+        let s = stream;
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let recorded = record();
         let mut graph: CUgraph = std::ptr::null_mut();
@@ -78,7 +79,7 @@ impl DecodeGraph {
             return Err(CudaError::Invalid("captured an empty graph".into()));
         }
         let built = (|| {
-            if dev.compute_capability.0 >= 9 {
+            if compute_capability.0 >= 9 {
                 make_edges_programmatic(graph)?;
             }
             let mut exec: CUgraphExec = std::ptr::null_mut();
