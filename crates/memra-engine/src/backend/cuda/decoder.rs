@@ -200,7 +200,6 @@ struct BatchBuffers {
 }
 
 pub struct GpuDecoder<'m> {
-    dev: CudaDevice,
     model: &'m Decoder,
     layers: Vec<GpuLayer>,
     token_embd: GpuLinear,
@@ -221,6 +220,8 @@ pub struct GpuDecoder<'m> {
     pub weight_bytes: usize,
     pub cache_bytes: usize,
     pub buffer_bytes: usize,
+    /// Last: fields drop in order, and the device trims the memory pool when it goes.
+    dev: CudaDevice,
 }
 
 /// Device bytes of a buffer.
