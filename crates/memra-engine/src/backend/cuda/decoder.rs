@@ -697,18 +697,17 @@ impl<'m> GpuDecoder<'m> {
             pending = true;
         }
         let o = pending.then_some(&s.o);
-        s.acts
-            .add_norm_quantize(dev, x, o, x_next, &self.output_norm, 1, hp.rms_eps)?;
-        let out = &self.output;
-        mmvq(
+        let (norm, out) = (&self.output_norm, &self.output);
+        output_logits(
             dev,
-            out.ty,
-            &out.w,
-            &s.acts,
+            norm,
+            out,
+            x,
+            o,
+            x_next,
+            &mut s.acts,
             &mut s.logits,
-            out.n_in,
-            out.n_out,
-            1,
+            hp.rms_eps,
         )?;
         ops::argmax(dev, &s.logits, hp.n_vocab, &mut s.best_parts, &mut s.best)
     }
@@ -959,17 +958,17 @@ impl<'m> GpuDecoder<'m> {
                 dev.stream.memcpy_dtod(&b.x.slice(last.clone()), xa)?;
                 dev.stream.memcpy_dtod(&b.o.slice(last), &mut s.o)?;
                 let o = pending.then_some(&s.o);
-                s.acts
-                    .add_norm_quantize(dev, xa, o, xb, &self.output_norm, 1, hp.rms_eps)?;
-                mmvq(
+                let norm = &self.output_norm;
+                output_logits(
                     dev,
-                    out.ty,
-                    &out.w,
-                    &s.acts,
+                    norm,
+                    out,
+                    xa,
+                    o,
+                    xb,
+                    &mut s.acts,
                     &mut s.logits,
-                    out.n_in,
-                    out.n_out,
-                    1,
+                    hp.rms_eps,
                 )?;
                 return self.step_logits();
             }
@@ -1001,6 +1000,24 @@ impl<'m> GpuDecoder<'m> {
         self.softcap(&mut host);
         Ok(host)
     }
+}
+
+/// The output head of one token: `x + o` (o when given) into `x_out`, the final norm,
+/// and the logits by the decode matvec.
+#[allow(clippy::too_many_arguments)]
+fn output_logits(
+    dev: &CudaDevice,
+    norm: &CudaSlice<f32>,
+    out: &GpuLinear,
+    x: &CudaSlice<f32>,
+    o: Option<&CudaSlice<f32>>,
+    x_out: &mut CudaSlice<f32>,
+    acts: &mut DeviceActs,
+    logits: &mut CudaSlice<f32>,
+    eps: f32,
+) -> Result<(), CudaError> {
+    acts.add_norm_quantize(dev, x, o, x_out, norm, 1, eps)?;
+    mmvq(dev, out.ty, &out.w, acts, logits, out.n_in, out.n_out, 1)
 }
 
 /// A mixture-of-experts FFN for `n` tokens whose router logits are in `moe.router` and

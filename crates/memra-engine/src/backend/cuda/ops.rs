@@ -1,12 +1,12 @@
-//! Launch wrappers of the element-wise, normalization, rotary and attention kernels. Each
-//! documents the shapes it needs; sizes are checked before launching.
+//! Launch wrappers of the kernels other than the matrix products: element-wise,
+//! normalization, rotary, attention, dequantization and embedding, MoE routing, the greedy
+//! pick. Each documents the shapes it needs; sizes are checked before launching.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::f16;
 use memra_gguf::GgmlType;
 
 use super::matvec::DeviceActs;
-
 use super::{CudaDevice, CudaError};
 
 const THREADS: u32 = 256;
