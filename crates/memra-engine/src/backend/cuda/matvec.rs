@@ -194,6 +194,12 @@ pub fn mmvq(
     mmvq_set(dev, ty, &mut [(w, y, nrows)], x, ncols, ntok)
 }
 
+/// Rows per thread block: ROWS_PER_BLOCK warps, of two rows each in the Q4_K kernel
+/// (`Q4_K_ROWS_PER_WARP` in the .cu).
+fn rows_per_block(ty: GgmlType) -> u32 {
+    ROWS_PER_BLOCK * if ty == GgmlType::Q4K { 2 } else { 1 }
+}
+
 /// The kernel's description of up to three matrices (`MatvecSet` in quant_matvec.cu).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -230,9 +236,7 @@ pub fn mmvq_set(
     if mats.is_empty() || mats.len() > 3 || x.q.len() < ntok * ncols || ncols % 32 != 0 {
         return Err(CudaError::Invalid("matvec: shapes".into()));
     }
-    // Rows per thread block: ROWS_PER_BLOCK warps, of two rows each in the Q4_K kernel
-    // (`Q4_K_ROWS_PER_WARP` in the .cu).
-    let rows_per_block = ROWS_PER_BLOCK * if ty == GgmlType::Q4K { 2 } else { 1 };
+    let rows_per_block = rows_per_block(ty);
     let mut set = MatvecSet {
         w: [0; 3],
         y: [0; 3],
@@ -337,7 +341,7 @@ pub fn mmvq_moe(
     {
         return Err(CudaError::Invalid("expert matvec: shapes".into()));
     }
-    let rows_per_block = ROWS_PER_BLOCK * if e.ty == GgmlType::Q4K { 2 } else { 1 };
+    let rows_per_block = rows_per_block(e.ty);
     let f = dev.function("quant_matvec", name)?;
     let cfg = LaunchConfig {
         grid_dim: (

@@ -13,9 +13,14 @@ const THREADS: u32 = 256;
 
 /// One thread per element, in blocks of 256.
 pub(super) fn grid_1d(n: usize) -> LaunchConfig {
+    blocks(n.div_ceil(THREADS as usize).max(1), THREADS)
+}
+
+/// `grid` blocks of `threads`, no dynamic shared memory.
+pub(super) fn blocks(grid: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (n.div_ceil(THREADS as usize).max(1) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
+        grid_dim: (grid as u32, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -39,11 +44,7 @@ pub fn rms_norm_inplace(
     let n = w.len();
     check(x.len() >= rows * n, "rms_norm: buffer too small")?;
     let f = dev.function("norm", "rms_norm_inplace_f32")?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(rows, THREADS);
     let n_i = n as i32;
     // SAFETY: rows x n elements of x, n of w (checked above).
     unsafe {
@@ -104,20 +105,19 @@ pub struct AttentionShape {
 impl AttentionShape {
     /// The head dimensions the kernels are instantiated for.
     pub fn supported(&self) -> Result<(), CudaError> {
-        check(
-            matches!(self.head_dim, 32 | 64 | 128 | 256),
-            &format!(
+        if !matches!(self.head_dim, 32 | 64 | 128 | 256) {
+            return Err(CudaError::Invalid(format!(
                 "attention with head dimension {} (the kernels take 32, 64, 128 or 256)",
                 self.head_dim
-            ),
-        )?;
-        check(
-            self.n_head % self.n_head_kv == 0 && self.n_head / self.n_head_kv <= MAX_GROUP,
-            &format!(
+            )));
+        }
+        if self.n_head % self.n_head_kv != 0 || self.n_head / self.n_head_kv > MAX_GROUP {
+            return Err(CudaError::Invalid(format!(
                 "{} query heads over {} kv heads (at most {MAX_GROUP} per kv head)",
                 self.n_head, self.n_head_kv
-            ),
-        )
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -284,11 +284,7 @@ pub fn attention_combine_into(
         "attention_combine: shapes",
     )?;
     let f = dev.function("attention", "attn_combine")?;
-    let cfg = LaunchConfig {
-        grid_dim: (s.n_head as u32, 1, 1),
-        block_dim: (s.head_dim as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(s.n_head, s.head_dim as u32);
     let (nh, d, ns, null) = (s.n_head as i32, s.head_dim as i32, n_split as i32, 0u64);
     // SAFETY: n_split x n_head x head_dim partials (checked by attention_decode's sizes);
     // n_head x head_dim quantized outputs (checked above).
@@ -381,11 +377,7 @@ pub fn add_norm_f16(
         "add_norm_f16: shapes",
     )?;
     let f = dev.function("norm", "add_norm_f16")?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(rows, THREADS);
     let (n_i, null) = (n as i32, 0u64);
     // SAFETY: rows x n elements of x, o and out; n of w (checked above).
     unsafe {
@@ -420,11 +412,7 @@ pub fn gated_f16(
         "gated_f16: shapes",
     )?;
     let f = dev.function("elementwise", "gated_f16")?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(rows, THREADS);
     let (n_i, gelu) = (n as i32, i32::from(gelu));
     // SAFETY: rows x n elements of each, rows of inv_scale (checked above).
     unsafe {
@@ -451,11 +439,7 @@ pub fn scale_rows(
 ) -> Result<(), CudaError> {
     check(x.len() >= rows * n && s.len() >= rows, "scale_rows: shapes")?;
     let f = dev.function("elementwise", "scale_rows")?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(rows, THREADS);
     let n_i = n as i32;
     // SAFETY: rows x n elements of x, rows of s (checked above).
     unsafe {
@@ -499,11 +483,7 @@ pub fn argmax(
     check(x.len() >= n && n > 0 && !out.is_empty(), "argmax: shapes")?;
     let partial = dev.function("elementwise", "argmax_partial")?;
     let last = dev.function("elementwise", "argmax_final")?;
-    let cfg = |blocks: usize| LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (1024, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = |grid: usize| blocks(grid, 1024);
     let (n_i, parts_i) = (n as i32, ARGMAX_BLOCKS as i32);
     // SAFETY: n values of x; ARGMAX_BLOCKS partials; one output.
     unsafe {
@@ -549,11 +529,7 @@ pub fn moe_route(
         "moe_route: shapes (at most 1024 experts, 16 used)",
     )?;
     let f = dev.function("moe", "moe_route")?;
-    let cfg = LaunchConfig {
-        grid_dim: (n_tok as u32, 1, 1),
-        block_dim: (32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(n_tok, 32);
     let (ne, nu, norm) = (n_exp as i32, n_used as i32, i32::from(normalize));
     // SAFETY: shapes checked above.
     unsafe {
@@ -585,11 +561,7 @@ pub fn moe_combine(
         "moe_combine: shapes",
     )?;
     let f = dev.function("moe", "moe_combine")?;
-    let cfg = LaunchConfig {
-        grid_dim: (n_tok as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(n_tok, THREADS);
     let (nu, n_i) = (n_used as i32, n as i32);
     // SAFETY: shapes checked above.
     unsafe {
@@ -632,11 +604,7 @@ pub fn embed_rows(
         "embed_rows: shapes",
     )?;
     let f = dev.function("dequant", "embed_rows")?;
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = blocks(n, 128);
     let c = ncols as i32;
     // SAFETY: ids index rows of w (checked by the caller against the vocabulary); n rows
     // of out (checked above).
