@@ -36,6 +36,11 @@ done
 f8=$(synth llama3-8b q4_k_m)
 .device/memra bench -m "$f8" -p 512 -n 128 -d 0,4096 -r 5 --device cuda 2>"$out/bench-q4km.log" | tee "$out/bench-q4km.md"
 grep "gpu memory" "$out/bench-q4km.log" | tail -n 1
+# Generation with llama.cpp's default sampling (temperature 0.8, top-k 40, top-p 0.95, min-p
+# 0.05) picks on the device; top-k 0 sends the logits to the host; greedy for comparison.
+for s in "--temp 0" "" "--top-k 0"; do
+  echo "memra run ${s:-(default sampling)}: $(.device/memra run -m "$f8" -p "Once upon a time" -n 128 $s --device cuda 2>&1 >/dev/null | grep -o 'generated: .*t/s')"
+done
 f8=$(synth llama3-8b q8_0)
 .device/memra bench -m "$f8" -p 512 -n 128 -r 5 --device cuda 2>"$out/bench-q80.log" | tee "$out/bench-q80.md" | tail -n 2
 grep "gpu memory" "$out/bench-q80.log" | tail -n 1

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel families, one fatbin each.
-const KERNELS: [&str; 8] = [
+const KERNELS: [&str; 9] = [
     "attention",
     "dequant",
     "elementwise",
@@ -23,6 +23,7 @@ const KERNELS: [&str; 8] = [
     "probe",
     "quant_matvec",
     "rope",
+    "sampling",
 ];
 /// Architectures the kernels are written for.
 const ARCHES: [&str; 5] = ["120a", "100a", "90a", "89", "80"];

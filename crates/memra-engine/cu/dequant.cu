@@ -1,6 +1,41 @@
-// Dequantization: weight matrices to f16 for the prompt GEMMs (cuBLAS multiplies them with
-// f16 activations on tensor cores), and embedding rows to f32 for the tokens of a step.
+// Weight formats on the device: regrouping at upload, dequantization of weight matrices to
+// f16 for the prompt GEMMs (cuBLAS multiplies them with f16 activations on tensor cores),
+// and embedding rows to f32 for the tokens of a step.
 #include "quant_blocks.cuh"
+
+// Regroups Q8_0 or Q6_K weights in place (the `_R` layouts of quant_blocks.cuh): one thread
+// block per group of 8 blocks, read into shared memory, then written field by field. The
+// blocks' fields (offset order, lengths in bytes) are all of even length, so the copy goes
+// by halves.
+template <int BYTES, int NF>
+__device__ __forceinline__ void regroup_group(uint8_t* __restrict__ W, const int (&len)[NF]) {
+    constexpr int G = REGROUP * BYTES;
+    __shared__ uint16_t group[G / 2];
+    uint16_t* g = (uint16_t*)(W + (size_t)blockIdx.x * G);
+    for (int p = threadIdx.x; p < G / 2; p += blockDim.x) group[p] = g[p];
+    __syncthreads();
+    for (int p = threadIdx.x; p < G / 2; p += blockDim.x) {
+        int at = 2 * p, off = 0, f = 0;
+        while (f + 1 < NF && at >= REGROUP * len[f]) {
+            at -= REGROUP * len[f];
+            off += len[f];
+            ++f;
+        }
+        g[p] = group[((at / len[f]) * BYTES + off + at % len[f]) / 2];
+    }
+}
+
+extern "C" __global__ void regroup_q8_0(uint8_t* __restrict__ W) {
+    PDL_WAIT();
+    const int len[2] = {2, 32};  // d, quants
+    regroup_group<34>(W, len);
+}
+
+extern "C" __global__ void regroup_q6_k(uint8_t* __restrict__ W) {
+    PDL_WAIT();
+    const int len[4] = {128, 64, 16, 2};  // low bits, high bits, scales, d
+    regroup_group<210>(W, len);
+}
 
 // One thread per 32 weights: sub-block `i` of the whole matrix (rows of ncols weights).
 template <int T>
@@ -42,6 +77,8 @@ DEQUANT_F16(dequant_f16_q4_k, T_Q4_K)
 DEQUANT_F16(dequant_f16_q5_k, T_Q5_K)
 DEQUANT_F16(dequant_f16_q6_k, T_Q6_K)
 DEQUANT_F16(dequant_f16_iq4_xs, T_IQ4_XS)
+DEQUANT_F16(dequant_f16_q8_0_r, T_Q8_0_R)
+DEQUANT_F16(dequant_f16_q6_k_r, T_Q6_K_R)
 
 // The float types: f32 and bf16 converted element-wise (F16 weights are used as they are).
 // bf16 values beyond f16's range saturate; weights do not reach it in practice.

@@ -1,6 +1,6 @@
-// Element-wise kernels: bias adds, the gated FFN activation of prompt batches, and the
-// greedy pick (residual adds and the decode step's gated activation are fused into the
-// quantization kernels of quant_matvec.cu).
+// Element-wise kernels: bias adds and the gated FFN activation of prompt batches (residual
+// adds and the decode step's gated activation are fused into the quantization kernels of
+// quant_matvec.cu).
 #include "common.cuh"
 
 // y[r][i] += b[i] for rows of length n (total elements `total`).
@@ -34,59 +34,4 @@ extern "C" __global__ void scale_rows(float* __restrict__ x, const float* __rest
     const float f = s[blockIdx.x];
     if (f == 1.0f) return;
     for (int i = threadIdx.x; i < n; i += blockDim.x) x[(size_t)blockIdx.x * n + i] *= f;
-}
-
-// The index of the largest of n logits (the first on ties, as the CPU sampler picks), in
-// two launches: blocks of 1024 threads each reduce a slice into (value, index) pairs, then
-// one block reduces those. All NaN: index 0, as on the CPU.
-__device__ __forceinline__ void better(float& best, int& at, float b, int a) {
-    if (b > best || (b == best && a < at)) {
-        best = b;
-        at = a;
-    }
-}
-
-__device__ __forceinline__ void block_argmax(float& best, int& at) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        better(best, at, __shfl_xor_sync(0xffffffff, best, o), __shfl_xor_sync(0xffffffff, at, o));
-    }
-    __shared__ float sb[32];
-    __shared__ int sa[32];
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    if (lane == 0) {
-        sb[warp] = best;
-        sa[warp] = at;
-    }
-    __syncthreads();
-    const int n_warps = blockDim.x / WARP_SIZE;
-    best = lane < n_warps ? sb[lane] : -INFINITY;
-    at = lane < n_warps ? sa[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        better(best, at, __shfl_xor_sync(0xffffffff, best, o), __shfl_xor_sync(0xffffffff, at, o));
-    }
-}
-
-extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, float* __restrict__ part_v,
-                                          int* __restrict__ part_i) {
-    PDL_WAIT();
-    float best = -INFINITY;
-    int at = 0x7fffffff;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) better(best, at, x[i], i);
-    block_argmax(best, at);
-    if (threadIdx.x == 0) {
-        part_v[blockIdx.x] = best;
-        part_i[blockIdx.x] = at;
-    }
-}
-
-extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const int* __restrict__ part_i,
-                                        int n_parts, int* __restrict__ out) {
-    PDL_WAIT();
-    float best = -INFINITY;
-    int at = 0x7fffffff;
-    for (int i = threadIdx.x; i < n_parts; i += blockDim.x) better(best, at, part_v[i], part_i[i]);
-    block_argmax(best, at);
-    if (threadIdx.x == 0) *out = at == 0x7fffffff ? 0 : at;
 }

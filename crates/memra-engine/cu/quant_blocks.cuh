@@ -6,6 +6,13 @@
 // CPU engine unpacks to (memra-gguf `unpack_row`), so one decoder per format serves the
 // generic decode matvec, the dequantization for prompt GEMMs and the embedding lookup.
 // Blocks are only 2-byte aligned in general (18, 22, 110, 210 bytes), hence `ld32`.
+//
+// Regrouped layouts (`_R` ids): Q8_0 and Q6_K, whose 34- and 210-byte blocks leave every
+// field misaligned, are stored on the device in groups of 8 blocks with each field of the
+// 8 blocks together (Q8_0: 8 scales, then 8 x 32 quants; Q6_K: 8 x 128 low bits, 8 x 64
+// high bits, 8 x 16 scales, 8 scales d), so that the quants are 16-byte aligned and the
+// matvec kernels read them with 16-byte loads. Same bytes, same size; rows must be whole
+// groups (`regroup_weights` in dequant.cu does it in place at upload).
 #pragma once
 
 #include "common.cuh"
@@ -26,6 +33,9 @@
 #define T_IQ4_NL 20
 #define T_IQ4_XS 23
 #define T_BF16 30
+// Device-only ids: the regrouped layouts.
+#define T_Q8_0_R 108
+#define T_Q6_K_R 114
 
 // A 32-bit word from a 2-byte-aligned address.
 __device__ __forceinline__ int ld32(const uint8_t* p) {
@@ -87,6 +97,30 @@ template <> struct BlockTraits<T_Q4_K> { static constexpr int bytes = 144, n = 2
 template <> struct BlockTraits<T_Q5_K> { static constexpr int bytes = 176, n = 256; };
 template <> struct BlockTraits<T_Q6_K> { static constexpr int bytes = 210, n = 256; };
 template <> struct BlockTraits<T_IQ4_XS> { static constexpr int bytes = 136, n = 256; };
+template <> struct BlockTraits<T_Q8_0_R> { static constexpr int bytes = 34, n = 32; };
+template <> struct BlockTraits<T_Q6_K_R> { static constexpr int bytes = 210, n = 256; };
+
+// Blocks per group of the regrouped layouts, and where block i's fields are in its group.
+#define REGROUP 8
+__device__ __forceinline__ const uint8_t* q8_0_r_group(const uint8_t* row, int kb) {
+    return row + (size_t)(kb / REGROUP) * (REGROUP * 34);
+}
+struct Q6KFields {
+    const uint8_t* ql;      // 128 bytes
+    const uint8_t* qh;      // 64 bytes
+    const int8_t* scales;   // 16
+    const uint8_t* d;       // f16
+};
+template <int T>
+__device__ __forceinline__ Q6KFields q6_k_fields(const uint8_t* row, int kb) {
+    if (T == T_Q6_K_R) {
+        const uint8_t* g = row + (size_t)(kb / REGROUP) * (REGROUP * 210);
+        const int i = kb % REGROUP;
+        return {g + 128 * i, g + 1024 + 64 * i, (const int8_t*)(g + 1536 + 16 * i), g + 1664 + 2 * i};
+    }
+    const uint8_t* b = row + (size_t)kb * 210;
+    return {b, b + 128, (const int8_t*)(b + 192), b + 208};
+}
 
 template <int T>
 __device__ __forceinline__ void unpack32(const uint8_t* __restrict__ row, int s, int (&v)[8], float (&sc)[2],
@@ -99,6 +133,14 @@ __device__ __forceinline__ void unpack32(const uint8_t* __restrict__ row, int s,
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = ld32(blk + 2 + 4 * i);
         sc[0] = sc[1] = ldh(blk);
+    } else if (T == T_Q8_0_R) {
+        const uint8_t* g = q8_0_r_group(row, s);
+        const int i = s % REGROUP;
+        const int4* q = (const int4*)(g + 16 + 32 * i);
+        const int4 q0 = q[0], q1 = q[1];
+        v[0] = q0.x; v[1] = q0.y; v[2] = q0.z; v[3] = q0.w;
+        v[4] = q1.x; v[5] = q1.y; v[6] = q1.z; v[7] = q1.w;
+        sc[0] = sc[1] = ldh(g + 2 * i);
     } else if (T == T_Q4_0 || T == T_Q4_1 || T == T_IQ4_NL) {
         const int qs = T == T_Q4_1 ? 4 : 2;
 #pragma unroll
@@ -165,10 +207,11 @@ __device__ __forceinline__ void unpack32(const uint8_t* __restrict__ row, int s,
         scale_min_k4(j, blk + 4, s6, m6);
         sc[0] = sc[1] = ldh(blk) * s6;
         mn[0] = mn[1] = ldh(blk + 2) * m6;
-    } else if (T == T_Q6_K) {
+    } else if (T == T_Q6_K || T == T_Q6_K_R) {
+        const Q6KFields f = q6_k_fields<T>(row, s / subs);
         const int h = j / 4, p = j % 4;
-        const uint8_t* ql = blk + 64 * h + 32 * (p % 2);
-        const uint8_t* qh = blk + 128 + 32 * h;
+        const uint8_t* ql = f.ql + 64 * h + 32 * (p % 2);
+        const uint8_t* qh = f.qh + 32 * h;
         const int lshift = (p / 2) * 4, hshift = 2 * p;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -176,10 +219,9 @@ __device__ __forceinline__ void unpack32(const uint8_t* __restrict__ row, int s,
             const int hi = ((ld32(qh + 4 * i) >> hshift) & 0x03030303) << 4;
             v[i] = __vsubss4(lo | hi, 0x20202020);
         }
-        const float d = ldh(blk + 208);
-        const int8_t* scales = (const int8_t*)(blk + 192);
-        sc[0] = d * scales[2 * j];
-        sc[1] = d * scales[2 * j + 1];
+        const float d = ldh(f.d);
+        sc[0] = d * f.scales[2 * j];
+        sc[1] = d * f.scales[2 * j + 1];
     } else if (T == T_IQ4_XS) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -228,13 +270,15 @@ __device__ __forceinline__ size_t row_bytes_of(int ty, int ncols) {
         case T_Q4_1: return (size_t)ncols / 32 * 20;
         case T_Q5_0: return (size_t)ncols / 32 * 22;
         case T_Q5_1: return (size_t)ncols / 32 * 24;
-        case T_Q8_0: return (size_t)ncols / 32 * 34;
+        case T_Q8_0:
+        case T_Q8_0_R: return (size_t)ncols / 32 * 34;
         case T_IQ4_NL: return (size_t)ncols / 32 * 18;
         case T_Q2_K: return (size_t)ncols / 256 * 84;
         case T_Q3_K: return (size_t)ncols / 256 * 110;
         case T_Q4_K: return (size_t)ncols / 256 * 144;
         case T_Q5_K: return (size_t)ncols / 256 * 176;
-        case T_Q6_K: return (size_t)ncols / 256 * 210;
+        case T_Q6_K:
+        case T_Q6_K_R: return (size_t)ncols / 256 * 210;
         case T_IQ4_XS: return (size_t)ncols / 256 * 136;
         default: return 0;
     }
@@ -255,5 +299,7 @@ __device__ __forceinline__ size_t row_bytes_of(int ty, int ncols) {
         case T_Q5_K: CALL(T_Q5_K); break;                                                                           \
         case T_Q6_K: CALL(T_Q6_K); break;                                                                           \
         case T_IQ4_XS: CALL(T_IQ4_XS); break;                                                                       \
+        case T_Q8_0_R: CALL(T_Q8_0_R); break;                                                                       \
+        case T_Q6_K_R: CALL(T_Q6_K_R); break;                                                                       \
         default: break;                                                                                             \
     }

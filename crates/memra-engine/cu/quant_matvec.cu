@@ -1,19 +1,25 @@
 // Matrix-vector products on quantized weights for decoding (1 to 8 tokens).
 //
 // Activations are first quantized to int8 in blocks of 32 with an f32 scale and the scaled
-// block sum (`quantize_act_q8`, the form llama.cpp calls q8_1); then one warp per weight
-// row unpacks the weights to packed int8 and multiplies them with `dp4a`, four products per
-// instruction. Weights are read once per call whatever the token count; decode speed is
-// bound by exactly that read.
+// block sum (`quantize_act_q8`, the form llama.cpp calls q8_1); then the weights are
+// unpacked to packed int8 and multiplied with `dp4a`, four products per instruction.
+// Weights are read once per call whatever the token count; decode speed is bound by
+// exactly that read.
 //
-// W: nrows rows of ncols weights in the ggml block layout. XQ: ntok x ncols int8;
-// XD, XS: ntok x ncols/32 f32 (scale, scale * sum of the block). Y: ntok x nrows f32.
-// Thread blocks of ROWS_PER_BLOCK warps. One launch multiplies up to three matrices of one
-// type with the same activations (q, k and v; gate and up), each thread block working on
-// one of them: small matrices leave most of the GPU idle, together they fill it.
+// W: nrows rows of ncols weights in the ggml block layout (Q8_0 and Q6_K regrouped where
+// rows are whole groups, quant_blocks.cuh). XQ: ntok x ncols int8; XD, XS: ntok x ncols/32
+// f32 (scale, scale * sum of the block). Y: ntok x nrows f32. Thread blocks of 128 threads.
+// One launch multiplies up to three matrices of one type with the same activations (q, k
+// and v; gate and up), each thread block working on one of them: small matrices leave
+// most of the GPU idle, together they fill it.
+//
+// Two kernel shapes: Q4_K and the regrouped Q6_K / Q8_0, the formats of nearly all decode
+// bytes, have block-cooperative kernels (`mmvq_coop`); every other format one warp per row
+// (`mmvq_generic`, `mmvq_q6_k` for Q6_K rows that are not whole groups, `mmvq_float`).
 #include "quant_blocks.cuh"
 
-#define ROWS_PER_BLOCK 4
+#define THREADS 128
+#define ROWS_PER_BLOCK (THREADS / WARP_SIZE)  // one warp per row
 #define MAX_TOKENS 8
 
 // One warp per 32 activations.
@@ -42,65 +48,6 @@ __device__ __forceinline__ void load_act(const int8_t* XQ, size_t at, int (&a)[8
     a[4] = hi.x; a[5] = hi.y; a[6] = hi.z; a[7] = hi.w;
 }
 
-// Q4_K: 144-byte blocks of 256 (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
-// nibbles). Eight lanes share a block, one 32-weight sub-block each.
-// Two rows per warp: the activations each lane loads serve both rows, halving that
-// traffic (the activation reads were as large as the Q4_K weight reads).
-#define Q4_K_ROWS_PER_WARP 2
-
-__device__ __forceinline__ void mmvq_q4_k(int blk_id, const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
-                                          const float* __restrict__ XD, const float* __restrict__ XS,
-                                          float* __restrict__ Y, int ncols, int nrows, int ntok) {
-    const int row0 = (blk_id * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE) * Q4_K_ROWS_PER_WARP;
-    if (row0 >= nrows) return;
-    const int nr = min(Q4_K_ROWS_PER_WARP, nrows - row0);
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int nb = ncols / 256;
-    const int j = lane % 8;
-    const int shift = (j % 2) * 4;
-    float acc[Q4_K_ROWS_PER_WARP][MAX_TOKENS] = {};
-    for (int b = lane / 8; b < nb; b += WARP_SIZE / 8) {
-        int v[Q4_K_ROWS_PER_WARP][8];
-        float ds[Q4_K_ROWS_PER_WARP], dmn[Q4_K_ROWS_PER_WARP];
-#pragma unroll
-        for (int r = 0; r < Q4_K_ROWS_PER_WARP; ++r) {
-            if (r >= nr) break;
-            const uint8_t* blk = W + ((size_t)(row0 + r) * nb + b) * 144;
-            const half2 dm = *(const half2*)blk;
-            int sc, mn;
-            scale_min_k4(j, blk + 4, sc, mn);
-            const int4* q = (const int4*)(blk + 16 + 32 * (j / 2));
-            const int4 q0 = q[0], q1 = q[1];
-            const int w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[r][i] = (w[i] >> shift) & 0x0f0f0f0f;
-            ds[r] = __low2float(dm) * sc;
-            dmn[r] = __high2float(dm) * mn;
-        }
-        const int xb = b * 8 + j;  // activation block of 32
-#pragma unroll
-        for (int t = 0; t < MAX_TOKENS; ++t) {
-            if (t >= ntok) break;
-            int a[8];
-            load_act(XQ, (size_t)t * ncols + (size_t)xb * 32, a);
-            const size_t ai = (size_t)t * (ncols / 32) + xb;
-            const float xd = XD[ai], xs = XS[ai];
-#pragma unroll
-            for (int r = 0; r < Q4_K_ROWS_PER_WARP; ++r) {
-                if (r >= nr) break;
-                int dot = 0;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) dot = __dp4a(v[r][i], a[i], dot);
-                acc[r][t] += ds[r] * xd * dot - dmn[r] * xs;
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < Q4_K_ROWS_PER_WARP; ++r) {
-        if (r < nr) warp_store(acc[r], ntok, Y, nrows, row0 + r);
-    }
-}
-
 // Every other format: one lane per 32-weight sub-block (lane l takes sub-blocks l, l + 32,
 // ...), decoded by unpack32 to int8 levels and per-16 scales and mins, multiplied with
 // dp4a. The mins need the activations' sums: per 32 (XS) where both halves share a min,
@@ -108,7 +55,6 @@ __device__ __forceinline__ void mmvq_q4_k(int blk_id, const uint8_t* __restrict_
 template <int T> struct MinKind { static constexpr int v = 0; };  // 0: none, 1: per 32, 2: per 16
 template <> struct MinKind<T_Q4_1> { static constexpr int v = 1; };
 template <> struct MinKind<T_Q5_1> { static constexpr int v = 1; };
-template <> struct MinKind<T_Q4_K> { static constexpr int v = 1; };
 template <> struct MinKind<T_Q5_K> { static constexpr int v = 1; };
 template <> struct MinKind<T_Q2_K> { static constexpr int v = 2; };
 
@@ -236,6 +182,177 @@ __device__ __forceinline__ void mmvq_float(int blk_id, const uint8_t* __restrict
     warp_store(acc, ntok, Y, nrows, row);
 }
 
+// Block-cooperative kernels for the formats that dominate decode (Q4_K, and the regrouped
+// Q6_K and Q8_0): the block's 128 threads split each row into units of 32 weights (thread
+// i takes units i, i + 128, ...) and each thread works on R rows at once, so that a thread
+// has R rows' loads in flight and its activations serve all R. Partial sums meet in shared
+// memory. A row of 4096 weights is one unit per thread: no serial chain of loads per warp,
+// which is what held the one-warp-per-row kernels to 1.5 TB/s on 4096 x 4096. Rows per block
+// (R) as measured on the H200 (docs/cuda.md): 8 for Q4_K and Q6_K, 2 for Q8_0.
+
+// Q4_K unit j (0..7) of a block: the 16 bytes of nibbles at 16j, whose low nibbles are
+// weights 16f..16f+15 of sub-block 2c and high nibbles the same of sub-block 2c + 1
+// (c = j / 2, f = j % 2). The mins go to the f = 0 unit of each pair, which adds them for
+// the whole 32 of both sub-blocks (the activations' sums per 32 are at hand).
+// scale_min_k4 on the 12 scale bytes held as three words.
+__device__ __forceinline__ void scale_min_k4_words(int j, uint32_t y, uint32_t z, uint32_t w, int& s, int& m) {
+    const int b = 8 * (j % 4);
+    const int qy = (y >> b) & 0xff, qz = (z >> b) & 0xff, qw = (w >> b) & 0xff;
+    s = j < 4 ? qy & 63 : (qw & 0x0f) | ((qy >> 6) << 4);
+    m = j < 4 ? qz & 63 : (qw >> 4) | ((qz >> 6) << 4);
+}
+
+struct CoopQ4K {
+    int4 q;
+    float d_lo, d_hi, m_lo, m_hi;
+    __device__ __forceinline__ void load(const uint8_t* row, int u) {
+        const int kb = u / 8, j = u % 8, c = j / 2;
+        const uint8_t* blk = row + (size_t)kb * 144;
+        const int4 head = *(const int4*)blk;
+        q = *(const int4*)(blk + 16 + 16 * j);
+        const half2 dm = __halves2half2(__ushort_as_half(head.x & 0xffff), __ushort_as_half(head.x >> 16));
+        int s0, m0, s1, m1;
+        scale_min_k4_words(2 * c, head.y, head.z, head.w, s0, m0);
+        scale_min_k4_words(2 * c + 1, head.y, head.z, head.w, s1, m1);
+        const float d = __low2float(dm), dmin = j % 2 ? 0.0f : __high2float(dm);
+        d_lo = d * s0;
+        d_hi = d * s1;
+        m_lo = dmin * m0;
+        m_hi = dmin * m1;
+    }
+    __device__ __forceinline__ float dot(const int8_t* xq, const float* xd, const float* xs, int u) const {
+        const int kb = u / 8, j = u % 8, c = j / 2, f = j % 2;
+        const int e = kb * 256 + 64 * c + 16 * f;
+        const int4 a = *(const int4*)(xq + e), b = *(const int4*)(xq + e + 32);
+        int lo = 0, hi = 0;
+        lo = __dp4a(q.x & 0x0f0f0f0f, a.x, lo);
+        lo = __dp4a(q.y & 0x0f0f0f0f, a.y, lo);
+        lo = __dp4a(q.z & 0x0f0f0f0f, a.z, lo);
+        lo = __dp4a(q.w & 0x0f0f0f0f, a.w, lo);
+        hi = __dp4a((q.x >> 4) & 0x0f0f0f0f, b.x, hi);
+        hi = __dp4a((q.y >> 4) & 0x0f0f0f0f, b.y, hi);
+        hi = __dp4a((q.z >> 4) & 0x0f0f0f0f, b.z, hi);
+        hi = __dp4a((q.w >> 4) & 0x0f0f0f0f, b.w, hi);
+        const int sb = kb * 8 + 2 * c;
+        return d_lo * xd[sb] * lo + d_hi * xd[sb + 1] * hi - (m_lo * xs[sb] + m_hi * xs[sb + 1]);
+    }
+};
+
+// Regrouped Q6_K unit k (0..7) of a block, the lane layout of mmvq_q6_k: 16 bytes of low
+// bits (both nibbles: weights e and e + 64, e = 128h + 32c + 16f) and the 16 bytes of high
+// bits they need. Unit k's low bits are at 16k in the block's 128: a warp's loads are one
+// contiguous 512 bytes.
+struct CoopQ6KR {
+    int4 ql, qh;
+    float s_lo, s_hi;
+    __device__ __forceinline__ void load(const uint8_t* row, int u) {
+        const int kb = u / 8, k = u % 8, h = k / 4, c = (k / 2) % 2, f = k % 2;
+        const Q6KFields fl = q6_k_fields<T_Q6_K_R>(row, kb);
+        ql = *(const int4*)(fl.ql + 16 * k);
+        qh = *(const int4*)(fl.qh + 32 * h + 16 * f);
+        const float d = ldh(fl.d);
+        const int e = 128 * h + 32 * c + 16 * f;
+        s_lo = d * fl.scales[e / 16];
+        s_hi = d * fl.scales[e / 16 + 4];
+    }
+    __device__ __forceinline__ float dot(const int8_t* xq, const float* xd, const float*, int u) const {
+        const int kb = u / 8, k = u % 8, h = k / 4, c = (k / 2) % 2, f = k % 2;
+        const int e = kb * 256 + 128 * h + 32 * c + 16 * f;
+        const int4 a = *(const int4*)(xq + e), b = *(const int4*)(xq + e + 64);
+        const int l[4] = {ql.x, ql.y, ql.z, ql.w}, hb[4] = {qh.x, qh.y, qh.z, qh.w};
+        const int av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+        int lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int wl = __vsubss4((l[i] & 0x0f0f0f0f) | (((hb[i] >> (2 * c)) & 0x03030303) << 4), 0x20202020);
+            const int wh =
+                __vsubss4(((l[i] >> 4) & 0x0f0f0f0f) | (((hb[i] >> (4 + 2 * c)) & 0x03030303) << 4), 0x20202020);
+            lo = __dp4a(wl, av[i], lo);
+            hi = __dp4a(wh, bv[i], hi);
+        }
+        return s_lo * xd[e / 32] * lo + s_hi * xd[e / 32 + 2] * hi;
+    }
+};
+
+// Regrouped Q8_0: a unit is one block, 32 quants at a 16-byte boundary.
+struct CoopQ80R {
+    int4 q0, q1;
+    float d;
+    __device__ __forceinline__ void load(const uint8_t* row, int u) {
+        const uint8_t* g = q8_0_r_group(row, u);
+        const int i = u % REGROUP;
+        const int4* q = (const int4*)(g + 16 + 32 * i);
+        q0 = q[0];
+        q1 = q[1];
+        d = ldh(g + 2 * i);
+    }
+    __device__ __forceinline__ float dot(const int8_t* xq, const float* xd, const float*, int u) const {
+        const int4* x = (const int4*)(xq + 32 * u);
+        const int4 a = x[0], b = x[1];
+        int s = 0;
+        s = __dp4a(q0.x, a.x, s);
+        s = __dp4a(q0.y, a.y, s);
+        s = __dp4a(q0.z, a.z, s);
+        s = __dp4a(q0.w, a.w, s);
+        s = __dp4a(q1.x, b.x, s);
+        s = __dp4a(q1.y, b.y, s);
+        s = __dp4a(q1.z, b.z, s);
+        s = __dp4a(q1.w, b.w, s);
+        return d * xd[u] * s;
+    }
+};
+
+template <typename Unit, int T, int R, int NT>
+__device__ __forceinline__ void mmvq_coop(int blk_id, const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
+                                          const float* __restrict__ XD, const float* __restrict__ XS,
+                                          float* __restrict__ Y, int ncols, int nrows, int ntok) {
+    const size_t row_bytes = row_bytes_of(T, ncols);
+    const int row0 = blk_id * R;
+    const int n_units = ncols / 32;
+    float acc[R][NT];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+    }
+    for (int u = threadIdx.x; u < n_units; u += THREADS) {
+        Unit w[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            // Rows past the end repeat the last row; their sums are not stored.
+            w[r].load(W + (size_t)min(row0 + r, nrows - 1) * row_bytes, u);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= ntok) break;
+            const int8_t* xq = XQ + (size_t)t * ncols;
+            const float* xd = XD + (size_t)t * n_units;
+            const float* xs = XS + (size_t)t * n_units;
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][t] += w[r].dot(xq, xd, xs, u);
+        }
+    }
+    __shared__ float partial[THREADS / WARP_SIZE][R * NT];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= ntok) break;
+            const float v = warp_sum(acc[r][t]);
+            if (lane == 0) partial[warp][r * NT + t] = v;
+        }
+    }
+    __syncthreads();
+    const int i = threadIdx.x, r = i / NT, t = i % NT;
+    if (i < R * NT && row0 + r < nrows && t < ntok) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < THREADS / WARP_SIZE; ++w) v += partial[w][i];
+        Y[(size_t)t * nrows + row0 + r] = v;
+    }
+}
+
 // Up to three matrices per launch: block b works on matrix m where
 // first[m] <= b < first[m + 1] (first[0] = 0, first[3] = the grid size).
 struct MatvecSet {
@@ -246,7 +363,7 @@ struct MatvecSet {
 };
 
 #define MMVQ(name, FN)                                                                                              \
-    extern "C" __global__ void                                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
         name(MatvecSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,                            \
              const float* __restrict__ XS, int ncols, int ntok) {                                                   \
         PDL_WAIT();                                                                                                 \
@@ -260,7 +377,14 @@ struct MatvecSet {
         FN(b - first, w, XQ, XD, XS, y, ncols, nrows, ntok);                                                        \
     }
 
-MMVQ(mmvq_q4_k, mmvq_q4_k)
+// Decode (one token) and batches of up to MAX_TOKENS; rows per block: the first number.
+MMVQ(mmvq_q4_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>))
+MMVQ(mmvq_q4_k_batch, (mmvq_coop<CoopQ4K, T_Q4_K, 2, MAX_TOKENS>))
+MMVQ(mmvq_q6_k_r, (mmvq_coop<CoopQ6KR, T_Q6_K_R, 8, 1>))
+MMVQ(mmvq_q6_k_r_batch, (mmvq_coop<CoopQ6KR, T_Q6_K_R, 2, MAX_TOKENS>))
+MMVQ(mmvq_q8_0_r, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, 1>))
+MMVQ(mmvq_q8_0_r_batch, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, MAX_TOKENS>))
+// One warp per row.
 MMVQ(mmvq_q6_k, mmvq_q6_k)
 MMVQ(mmvq_q4_0, mmvq_generic<T_Q4_0>)
 MMVQ(mmvq_q4_1, mmvq_generic<T_Q4_1>)
@@ -280,7 +404,8 @@ MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
 // for token t; its input is token t's activations (gate and up: `per_slot` 0) or the
 // (t, k) row of its own (down: `per_slot` 1); its output is the (t, k) row of Y.
 #define MMVQ_MOE(name, FN)                                                                                          \
-    extern "C" __global__ void name(const uint8_t* __restrict__ W, long long stride,                                \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
+        name(const uint8_t* __restrict__ W, long long stride,                                                       \
                                     const int* __restrict__ ids, int n_used, const int8_t* __restrict__ XQ,         \
                                     const float* __restrict__ XD, const float* __restrict__ XS,                     \
                                     float* __restrict__ Y, int ncols, int nrows, int per_slot) {                    \
@@ -292,7 +417,9 @@ MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
            XS + x * (ncols / 32), Y + slot * nrows, ncols, nrows, 1);                                               \
     }
 
-MMVQ_MOE(mmvq_moe_q4_k, mmvq_q4_k)
+MMVQ_MOE(mmvq_moe_q4_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>))
+MMVQ_MOE(mmvq_moe_q6_k_r, (mmvq_coop<CoopQ6KR, T_Q6_K_R, 8, 1>))
+MMVQ_MOE(mmvq_moe_q8_0_r, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, 1>))
 MMVQ_MOE(mmvq_moe_q6_k, mmvq_q6_k)
 MMVQ_MOE(mmvq_moe_q4_0, mmvq_generic<T_Q4_0>)
 MMVQ_MOE(mmvq_moe_q4_1, mmvq_generic<T_Q4_1>)
@@ -313,6 +440,9 @@ MMVQ_MOE(mmvq_moe_bf16, mmvq_float<T_BF16>)
 // does. Blocks of 256 threads each take 256 elements; every block computes the whole row's
 // sum of squares itself (the row is a few KiB in L2), so no block waits for another, and
 // x_out is a different buffer from x so that no block reads what another has written.
+// The sum of squares reads float4s in an unrolled loop, so that a thread's loads are in
+// flight together: one at a time, the L2 latencies in a row made this kernel 6 us of a
+// decode step's 3 (measured by leaving it out of the graph, docs/cuda.md).
 extern "C" __global__ void add_norm_quantize(const float* __restrict__ x, const float* __restrict__ o,
                                              float* __restrict__ x_out, const float* __restrict__ w,
                                              int8_t* __restrict__ q, float* __restrict__ d,
@@ -326,10 +456,20 @@ extern "C" __global__ void add_norm_quantize(const float* __restrict__ x, const 
     q += r * n;
     d += r * (n / 32);
     s += r * (n / 32);
+    const float4* x4 = (const float4*)x;
+    const float4* o4 = (const float4*)o;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = o ? x[i] + o[i] : x[i];
-        ss += v * v;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+        float4 v = x4[i];
+        if (o) {
+            const float4 p = o4[i];
+            v.x += p.x;
+            v.y += p.y;
+            v.z += p.z;
+            v.w += p.w;
+        }
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     const float scale = rsqrtf(block_sum(ss) / n + eps);
     const int i = blockIdx.x * blockDim.x + threadIdx.x;

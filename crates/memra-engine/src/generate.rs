@@ -48,6 +48,14 @@ pub trait Runner {
     fn feed_greedy(&mut self, token: u32) -> Result<u32, GenerateError> {
         Ok(crate::sampler::argmax(&self.feed(&[token])?))
     }
+    /// Feeds one token; returns the next as `sampler` picks it (a GPU picks it on the
+    /// device where it can, sending back one id instead of the logits).
+    fn feed_sample(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, GenerateError> {
+        if sampler.is_plain_greedy() {
+            return self.feed_greedy(token);
+        }
+        Ok(sampler.sample(&self.feed(&[token])?))
+    }
     /// Device memory, where the runner holds any: a line for the user.
     fn device_memory(&self) -> Option<String> {
         None
@@ -112,6 +120,9 @@ impl Runner for GpuDecoder<'_> {
     }
     fn feed_greedy(&mut self, token: u32) -> Result<u32, GenerateError> {
         Ok(self.forward_greedy(token)?)
+    }
+    fn feed_sample(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, GenerateError> {
+        Ok(self.forward_sample(token, sampler)?)
     }
     fn device_memory(&self) -> Option<String> {
         Some(self.memory_report())
@@ -205,7 +216,7 @@ pub fn generate(
     let mut sampler = Sampler::new(config.sampler.clone())?;
     prompt.iter().for_each(|&t| sampler.accept(t));
     let start = Instant::now();
-    let mut logits = runner.feed(prompt)?;
+    let logits = runner.feed(prompt)?;
     let prompt_time = start.elapsed();
     let start = Instant::now();
     let t = &model.tokenizer;
@@ -216,8 +227,6 @@ pub fn generate(
     };
     let mut generated = Vec::new();
     let mut stop = StopReason::Length;
-    // Plain greedy decoding lets the device pick the next token itself.
-    let greedy = config.sampler.is_plain_greedy();
     let mut next = None;
     while generated.len() < config.n_predict {
         let id = next.take().unwrap_or_else(|| sampler.sample(&logits));
@@ -240,11 +249,7 @@ pub fn generate(
             stop = StopReason::ContextFull;
             break;
         }
-        if greedy {
-            next = Some(runner.feed_greedy(id)?);
-        } else {
-            logits = runner.feed(&[id])?;
-        }
+        next = Some(runner.feed_sample(id, &mut sampler)?);
     }
     if stop != StopReason::StopString {
         let (text, _) = filter.push(&decoder.finish());

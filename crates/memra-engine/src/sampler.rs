@@ -122,6 +122,28 @@ impl Rng {
     }
 }
 
+/// What a device needs to pick the next token as [`Sampler::sample`] would, keeping the
+/// logits where they are ([`Sampler::device_plan`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DevicePlan {
+    /// Token ids whose logits change, each once: (id, bias, times among the recent tokens).
+    /// A logit gets its bias, then, if counted, the penalties.
+    pub adjust: Vec<(u32, f32, u32)>,
+    pub repeat_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// `None`: the most likely token after the adjustments (temperature 0).
+    pub filters: Option<DeviceFilters>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceFilters {
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub temperature: f32,
+}
+
 pub struct Sampler {
     config: SamplerConfig,
     rng: Rng,
@@ -146,6 +168,60 @@ impl Sampler {
         if self.recent.len() > keep.max(1) * 2 {
             self.recent.drain(..self.recent.len() - keep);
         }
+    }
+
+    /// The next pick as a plan for a device that keeps at most `max_candidates` candidates,
+    /// over `n_vocab` logits; `None` where it cannot follow [`Sampler::sample`] (top-k off or
+    /// above `max_candidates` when drawing).
+    pub fn device_plan(&self, n_vocab: usize, max_candidates: usize) -> Option<DevicePlan> {
+        let c = &self.config;
+        let filters = if c.temperature <= 0.0 {
+            None
+        } else if (1..=max_candidates).contains(&c.top_k) {
+            Some(DeviceFilters {
+                top_k: c.top_k,
+                top_p: c.top_p,
+                min_p: c.min_p,
+                temperature: c.temperature,
+            })
+        } else {
+            return None;
+        };
+        let mut adjust: HashMap<u32, (f32, u32)> = HashMap::new();
+        for (&id, &b) in &c.logit_bias {
+            adjust.entry(id).or_default().0 += b;
+        }
+        for (id, n) in self.penalty_counts() {
+            adjust.entry(id).or_default().1 = n;
+        }
+        let mut adjust: Vec<_> = adjust
+            .into_iter()
+            .filter(|&(id, _)| (id as usize) < n_vocab)
+            .map(|(id, (b, n))| (id, b, n))
+            .collect();
+        adjust.sort_unstable_by_key(|a| a.0);
+        Some(DevicePlan {
+            adjust,
+            repeat_penalty: c.repeat_penalty,
+            frequency_penalty: c.frequency_penalty,
+            presence_penalty: c.presence_penalty,
+            filters,
+        })
+    }
+
+    /// Whether picks are the plain most likely token ([`SamplerConfig::is_plain_greedy`]).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.config.is_plain_greedy()
+    }
+
+    /// The uniform number the next draw uses, left for the draw to consume.
+    pub fn peek_uniform(&self) -> f64 {
+        self.rng.clone().next_f64()
+    }
+
+    /// Consumes the number [`Sampler::peek_uniform`] showed (a device drew with it).
+    pub fn consume_uniform(&mut self) {
+        self.rng.next_f64();
     }
 
     /// Picks the next token from one row of logits.
@@ -210,19 +286,26 @@ impl Sampler {
         cand.last().expect("non-empty").0
     }
 
-    fn apply_penalties(&self, l: &mut [f32]) {
+    /// How often each token appears among the recent ones the penalties look at (none
+    /// when the penalties are off).
+    fn penalty_counts(&self) -> HashMap<u32, u32> {
         let c = &self.config;
         let neutral =
             c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
+        let mut counts: HashMap<u32, u32> = HashMap::new();
         if neutral || c.penalty_last_n == 0 {
-            return;
+            return counts;
         }
         let start = self.recent.len().saturating_sub(c.penalty_last_n);
-        let mut counts: HashMap<u32, u32> = HashMap::new();
         for &id in &self.recent[start..] {
             *counts.entry(id).or_default() += 1;
         }
-        for (&id, &n) in &counts {
+        counts
+    }
+
+    fn apply_penalties(&self, l: &mut [f32]) {
+        let c = &self.config;
+        for (&id, &n) in &self.penalty_counts() {
             let Some(v) = l.get_mut(id as usize) else {
                 continue;
             };
@@ -417,5 +500,81 @@ mod tests {
         ] {
             assert!(Sampler::new(c).is_err());
         }
+    }
+
+    /// The plan a device samples by: the bias and penalty counts per token (ids outside
+    /// the vocabulary dropped), the filters, and `None` where top-k is off or too large.
+    #[test]
+    fn device_plan_lists_what_sample_applies() {
+        let mut config = SamplerConfig {
+            repeat_penalty: 1.1,
+            penalty_last_n: 4,
+            ..SamplerConfig::default()
+        };
+        config.logit_bias.insert(3, 1.0);
+        config.logit_bias.insert(9999, 2.0);
+        let mut s = Sampler::new(config.clone()).unwrap();
+        for t in [1, 2, 2, 3, 5] {
+            s.accept(t);
+        }
+        let plan = s.device_plan(100, 1024).unwrap();
+        assert_eq!(plan.adjust, vec![(2, 0.0, 2), (3, 1.0, 1), (5, 0.0, 1)]);
+        assert_eq!(plan.repeat_penalty, 1.1);
+        assert_eq!(
+            plan.filters,
+            Some(DeviceFilters {
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+                temperature: 0.8
+            })
+        );
+        // Applying the plan by hand gives the logits `sample` filters.
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 - 50.0) / 10.0).collect();
+        let mut adjusted = logits.clone();
+        for &(id, b, n) in &plan.adjust {
+            let v = &mut adjusted[id as usize];
+            *v += b;
+            if n > 0 {
+                *v = if *v > 0.0 { *v / 1.1 } else { *v * 1.1 };
+            }
+        }
+        let mut by_hand = logits.clone();
+        by_hand[3] += 1.0;
+        s.apply_penalties(&mut by_hand);
+        assert_eq!(adjusted, by_hand);
+
+        assert!(s.device_plan(100, 20).is_none(), "top-k 40 above 20");
+        let off = Sampler::new(SamplerConfig {
+            top_k: 0,
+            ..config.clone()
+        })
+        .unwrap();
+        assert!(off.device_plan(100, 1024).is_none(), "top-k off");
+        let greedy = Sampler::new(SamplerConfig {
+            temperature: 0.0,
+            top_k: 0,
+            ..config
+        })
+        .unwrap();
+        assert_eq!(greedy.device_plan(100, 1024).unwrap().filters, None);
+    }
+
+    /// `peek_uniform` shows the number the next draw takes without taking it.
+    #[test]
+    fn peek_uniform_is_the_next_draw() {
+        let config = SamplerConfig {
+            seed: 42,
+            ..SamplerConfig::default()
+        };
+        let mut a = Sampler::new(config.clone()).unwrap();
+        let mut b = Sampler::new(config).unwrap();
+        let u = a.peek_uniform();
+        assert_eq!(a.peek_uniform(), u);
+        assert!((0.0..1.0).contains(&u));
+        a.sample(&LOGITS);
+        assert_ne!(a.peek_uniform(), u);
+        b.consume_uniform();
+        assert_eq!(a.peek_uniform(), b.peek_uniform());
     }
 }

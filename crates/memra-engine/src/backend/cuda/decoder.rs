@@ -16,17 +16,36 @@ use half::f16;
 
 use super::gemm::Gemm;
 use super::graph::DecodeGraph;
-use super::matvec::{kernel_for, mmvq, mmvq_moe, mmvq_set, DeviceActs, ExpertWeights};
+use super::matvec::{
+    mmvq, mmvq_moe, mmvq_set, supported, upload_weights, DeviceActs, ExpertWeights,
+};
 use super::ops::{self, AttentionShape, DeviceRope, MAX_SPLITS};
+use super::sampling::{argmax, ArgmaxParts, DevicePick, DeviceSampler, MAX_CANDIDATES};
 use super::{CudaDevice, CudaError};
 use crate::backend::cpu::matmul::WeightRows;
 use crate::backend::cpu::ops::RopeLayout;
 use crate::models::layers::{Activation, Decoder, Ffn};
 use crate::models::weights::Linear;
 use crate::models::LogitRows;
+use crate::sampler::Sampler;
 
 /// Tokens per prompt batch (llama.cpp's default micro-batch).
 pub const MAX_BATCH: usize = 512;
+/// Weights dequantized to f16 at a time for a prompt GEMM (64 MiB): a larger matrix goes
+/// in chunks of rows. Measured on llama3-8b q4_k_m (docs/cuda.md): the whole largest
+/// matrix (112 MiB) 16,183 t/s pp512, 64 MiB 15,728, 32 MiB 14,857.
+const GEMM_SCRATCH: usize = 32 << 20;
+
+/// Rows per chunk of a matrix of rows of `n_in` in `scratch` weights: a multiple of 256
+/// (the GEMM's tiles: chunks of 1,170 rows made pp512 23% slower), at least one row.
+fn gemm_chunk_rows(scratch: usize, n_in: usize) -> usize {
+    let rows = scratch / n_in;
+    if rows >= 256 {
+        rows / 256 * 256
+    } else {
+        rows.max(1)
+    }
+}
 
 struct GpuLinear {
     w: CudaSlice<u8>,
@@ -136,7 +155,8 @@ struct StepBuffers {
     moe: MoeBuffers,
     logits: CudaSlice<f32>,
     best: CudaSlice<i32>,
-    best_parts: ops::ArgmaxParts,
+    best_parts: ArgmaxParts,
+    sampler: DeviceSampler,
     acts: DeviceActs,
 }
 
@@ -291,7 +311,7 @@ impl<'m> GpuDecoder<'m> {
         let mut linears = 0usize;
         let mut expert_bytes = 0usize;
         let mut upload = |l: &Linear| -> Result<GpuLinear, CudaError> {
-            if kernel_for(l.ty()).is_none() {
+            if !supported(l.ty()) {
                 return Err(CudaError::Unsupported {
                     op: "matvec",
                     ty: l.ty(),
@@ -305,7 +325,7 @@ impl<'m> GpuDecoder<'m> {
             }
             linears += l.bytes().len();
             Ok(GpuLinear {
-                w: dev.stream.clone_htod(l.bytes())?,
+                w: upload_weights(&dev, l.bytes(), l.ty(), l.n_in())?,
                 ty: l.ty(),
                 n_in: l.n_in(),
                 n_out: l.n_out(),
@@ -330,7 +350,7 @@ impl<'m> GpuDecoder<'m> {
                     // Each projection's experts, one after the other, in one buffer.
                     let mut experts = |e: &[Linear]| -> Result<GpuExpertWeights, CudaError> {
                         let ty = e[0].ty();
-                        if kernel_for(ty).is_none() {
+                        if !supported(ty) {
                             return Err(CudaError::Unsupported {
                                 op: "expert matvec",
                                 ty,
@@ -340,7 +360,7 @@ impl<'m> GpuDecoder<'m> {
                             e.iter().flat_map(|l| l.bytes().iter().copied()).collect();
                         expert_bytes += bytes.len();
                         Ok(GpuExpertWeights {
-                            w: dev.stream.clone_htod(&bytes)?,
+                            w: upload_weights(&dev, &bytes, ty, e[0].n_in())?,
                             ty,
                             n_in: e[0].n_in(),
                             n_out: e[0].n_out(),
@@ -422,7 +442,8 @@ impl<'m> GpuDecoder<'m> {
             moe: MoeBuffers::new(&dev, &layers, 1, e)?,
             logits: s.alloc_zeros(hp.n_vocab)?,
             best: s.alloc_zeros(1)?,
-            best_parts: ops::ArgmaxParts::new(&dev)?,
+            best_parts: ArgmaxParts::new(&dev)?,
+            sampler: DeviceSampler::new(&dev)?,
             acts: DeviceActs::new(&dev, widest.div_ceil(32) * 32)?,
         };
         let buffer_bytes = small
@@ -548,6 +569,42 @@ impl<'m> GpuDecoder<'m> {
         self.decode_step(token)?;
         let best = self.dev.stream.clone_dtoh(&self.step.best)?;
         Ok(best[0] as u32)
+    }
+
+    /// One token: returns the next token as `sampler` picks it, on the device where it can
+    /// (only the id comes back), else on the host from the logits.
+    pub fn forward_sample(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, CudaError> {
+        if sampler.is_plain_greedy() {
+            return self.forward_greedy(token);
+        }
+        let n_vocab = self.model.hp.n_vocab;
+        // A final soft cap changes the logits' values: the host applies it.
+        let plan = match self.model.final_logit_softcap {
+            None => sampler.device_plan(n_vocab, MAX_CANDIDATES),
+            Some(_) => None,
+        };
+        let Some(plan) = plan else {
+            let logits = self.forward(&[token], LogitRows::Last)?;
+            return Ok(sampler.sample(&logits));
+        };
+        self.check_tokens(&[token])?;
+        self.decode_step(token)?;
+        let u = sampler.peek_uniform();
+        let s = &mut self.step;
+        match s
+            .sampler
+            .pick(&self.dev, &mut s.logits, n_vocab, &plan, u)?
+        {
+            DevicePick::Token { id, drew } => {
+                if drew {
+                    sampler.consume_uniform();
+                }
+                Ok(id)
+            }
+            // Every logit infinite or NaN after the adjustments: the sampler's rule for it,
+            // on the adjusted logits.
+            DevicePick::NoFinite => Ok(crate::sampler::argmax(&self.step_logits()?)),
+        }
     }
 
     fn step_logits(&mut self) -> Result<Vec<f32>, CudaError> {
@@ -709,7 +766,7 @@ impl<'m> GpuDecoder<'m> {
             &mut s.logits,
             hp.rms_eps,
         )?;
-        ops::argmax(dev, &s.logits, hp.n_vocab, &mut s.best_parts, &mut s.best)
+        argmax(dev, &s.logits, hp.n_vocab, &mut s.best_parts, &mut s.best)
     }
 
     /// Biases and QK-norms of `n` tokens' q, k, v, where the architecture has them.
@@ -745,7 +802,8 @@ impl<'m> GpuDecoder<'m> {
             let has_experts = self.layers.iter().any(|l| l.ffn.experts().is_some());
             let q_len = hp.n_head * hd;
             let kv_len = hp.n_head_kv * hd;
-            // The largest layer matrix; the output and embedding matrices go in row chunks.
+            // Matrices are dequantized in chunks of rows that fit GEMM_SCRATCH weights (at
+            // least one row); smaller models need less.
             let w_max = self
                 .layers
                 .iter()
@@ -757,10 +815,10 @@ impl<'m> GpuDecoder<'m> {
                     }
                     m
                 })
-                .map(|w| w.n_in * w.n_out)
+                .chain([&self.output])
+                .map(|w| w.n_in * w.n_out.min(gemm_chunk_rows(GEMM_SCRATCH, w.n_in)))
                 .max()
-                .unwrap_or(0)
-                .max(self.output.n_in * 1024);
+                .unwrap_or(0);
             let s = &self.dev.stream;
             let buffers = BatchBuffers {
                 ids: s.alloc_zeros(b)?,
@@ -797,7 +855,8 @@ impl<'m> GpuDecoder<'m> {
     }
 
     /// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T` through f16 weights: F16 weights as
-    /// they are, any other type dequantized into the scratch buffer first.
+    /// they are, any other type dequantized into the scratch buffer first, in chunks of
+    /// rows that fit it.
     #[allow(clippy::too_many_arguments)]
     fn linear(
         dev: &CudaDevice,
@@ -808,42 +867,21 @@ impl<'m> GpuDecoder<'m> {
         y: &mut CudaSlice<f32>,
         n: usize,
     ) -> Result<(), CudaError> {
-        Self::linear_rows(dev, gemm, scratch, w, x, y, n, 0, w.n_out, w.n_out)
-    }
-
-    /// Rows `r0..r1` of `w` only, into columns `r0..r1` of `y` (rows of `ldc`).
-    #[allow(clippy::too_many_arguments)]
-    fn linear_rows(
-        dev: &CudaDevice,
-        gemm: &Gemm,
-        scratch: &mut CudaSlice<f16>,
-        w: &GpuLinear,
-        x: &CudaView<f16>,
-        y: &mut CudaSlice<f32>,
-        n: usize,
-        r0: usize,
-        r1: usize,
-        ldc: usize,
-    ) -> Result<(), CudaError> {
         let rb = w.row_bytes();
-        let rows = w.w.slice(r0 * rb..r1 * rb);
-        let m = r1 - r0;
         if w.ty == memra_gguf::GgmlType::F16 {
-            return gemm.f16_f32(dev, &rows, x, y, r0, m, n, w.n_in, ldc);
+            let all = w.w.slice(..w.n_out * rb);
+            return gemm.f16_f32(dev, &all, x, y, 0, w.n_out, n, w.n_in, w.n_out);
         }
-        let mut dq = scratch.slice_mut(..m * w.n_in);
-        ops::dequantize_f16(dev, &rows, w.ty, &mut dq, m, w.n_in)?;
-        gemm.f16_f32(
-            dev,
-            &scratch.slice(..m * w.n_in),
-            x,
-            y,
-            r0,
-            m,
-            n,
-            w.n_in,
-            ldc,
-        )
+        let chunk = gemm_chunk_rows(scratch.len(), w.n_in);
+        for r0 in (0..w.n_out).step_by(chunk) {
+            let m = chunk.min(w.n_out - r0);
+            let rows = w.w.slice(r0 * rb..(r0 + m) * rb);
+            let mut dq = scratch.slice_mut(..m * w.n_in);
+            ops::dequantize_f16(dev, &rows, w.ty, &mut dq, m, w.n_in)?;
+            let dq = scratch.slice(..m * w.n_in);
+            gemm.f16_f32(dev, &dq, x, y, r0, m, n, w.n_in, w.n_out)?;
+        }
+        Ok(())
     }
 
     /// A batch of up to MAX_BATCH tokens at the next positions; returns the logits asked.
@@ -990,12 +1028,7 @@ impl<'m> GpuDecoder<'m> {
         }
         let logits = b.logits.as_mut().expect("allocated above");
         let xh = b.xh.slice(want * e..n * e);
-        // The output matrix in chunks of rows that fit the scratch buffer.
-        let chunk = (b.w.len() / out.n_in).max(1);
-        for r0 in (0..nv).step_by(chunk) {
-            let r1 = (r0 + chunk).min(nv);
-            Self::linear_rows(dev, &b.gemm, &mut b.w, out, &xh, logits, rows, r0, r1, nv)?;
-        }
+        Self::linear(dev, &b.gemm, &mut b.w, out, &xh, logits, rows)?;
         let mut host = dev.stream.clone_dtoh(&logits.slice(..rows * nv))?;
         self.softcap(&mut host);
         Ok(host)

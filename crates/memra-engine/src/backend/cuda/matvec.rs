@@ -9,30 +9,66 @@ use super::{CudaDevice, CudaError};
 
 /// Tokens one call handles (the kernels keep one accumulator per token in registers).
 pub const MAX_TOKENS: usize = 8;
-/// Warps (rows) per thread block, as the kernels are written.
-const ROWS_PER_BLOCK: u32 = 4;
 
-/// The kernel for a weight type; `None` where there is none (the codebook i-quants,
-/// ternary and MXFP4 formats).
-pub fn kernel_for(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::F32 => "mmvq_f32",
-        GgmlType::F16 => "mmvq_f16",
-        GgmlType::Bf16 => "mmvq_bf16",
-        GgmlType::Q4_0 => "mmvq_q4_0",
-        GgmlType::Q4_1 => "mmvq_q4_1",
-        GgmlType::Q5_0 => "mmvq_q5_0",
-        GgmlType::Q5_1 => "mmvq_q5_1",
-        GgmlType::Q8_0 => "mmvq_q8_0",
-        GgmlType::Q2K => "mmvq_q2_k",
-        GgmlType::Q3K => "mmvq_q3_k",
-        GgmlType::Q4K => "mmvq_q4_k",
-        GgmlType::Q5K => "mmvq_q5_k",
-        GgmlType::Q6K => "mmvq_q6_k",
-        GgmlType::Iq4Nl => "mmvq_iq4_nl",
-        GgmlType::Iq4Xs => "mmvq_iq4_xs",
-        _ => return None,
-    })
+/// Whether weights of `ty` in rows of `ncols` live on the device regrouped: Q8_0 and Q6_K,
+/// whose blocks leave every field misaligned, in groups of 8 blocks with each field
+/// together, so that the kernels load 16 aligned bytes at a time (`cu/quant_blocks.cuh`).
+/// Rows must be whole groups; every weight upload goes through [`upload_weights`].
+pub fn regrouped(ty: GgmlType, ncols: usize) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q6K) && ncols % (8 * ty.block_size()) == 0
+}
+
+/// The kernels' id of weights of `ty` in rows of `ncols` (`T_*` in quant_blocks.cuh); `None`
+/// for a type without kernels.
+pub fn device_type_id(ty: GgmlType, ncols: usize) -> Option<i32> {
+    if !supported(ty) {
+        return None;
+    }
+    let id = ty as u32 as i32;
+    Some(if regrouped(ty, ncols) { id + 100 } else { id })
+}
+
+/// Copies weights (`ty`, rows of `ncols`) to the device in the layout the kernels read.
+pub fn upload_weights(
+    dev: &CudaDevice,
+    bytes: &[u8],
+    ty: GgmlType,
+    ncols: usize,
+) -> Result<CudaSlice<u8>, CudaError> {
+    let mut w = dev.stream.clone_htod(bytes)?;
+    if regrouped(ty, ncols) {
+        let group = 8 * ty.type_size();
+        if bytes.len() % group != 0 {
+            return Err(CudaError::Invalid(format!(
+                "{} bytes of {ty} are not whole rows",
+                bytes.len()
+            )));
+        }
+        let name = if ty == GgmlType::Q8_0 {
+            "regroup_q8_0"
+        } else {
+            "regroup_q6_k"
+        };
+        let f = dev.function("dequant", name)?;
+        let groups = bytes.len() / group;
+        // Grids of at most 2^31 - 1 blocks: a 16 GiB tensor of Q8_0 has 63 M groups.
+        for start in (0..groups).step_by(1 << 30) {
+            let n = (groups - start).min(1 << 30);
+            let mut part = w.slice_mut(start * group..(start + n) * group);
+            // SAFETY: n whole groups of the buffer, each rewritten by its own block.
+            unsafe {
+                dev.stream
+                    .launch_builder(&f)
+                    .arg(&mut part)
+                    .launch(LaunchConfig {
+                        grid_dim: (n as u32, 1, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    })?;
+            }
+        }
+    }
+    Ok(w)
 }
 
 /// Activations quantized on the device for the integer kernels: int8 values, and per 32
@@ -194,10 +230,59 @@ pub fn mmvq(
     mmvq_set(dev, ty, &mut [(w, y, nrows)], x, ncols, ntok)
 }
 
-/// Rows per thread block: ROWS_PER_BLOCK warps, of two rows each in the Q4_K kernel
-/// (`Q4_K_ROWS_PER_WARP` in the .cu).
-fn rows_per_block(ty: GgmlType) -> u32 {
-    ROWS_PER_BLOCK * if ty == GgmlType::Q4K { 2 } else { 1 }
+/// The matvec kernels of one weight layout (`cu/quant_matvec.cu`): for one token, for up
+/// to [`MAX_TOKENS`], and for experts (one token per expert row), with the rows one thread
+/// block of [`THREADS`] computes in each.
+struct Kernels {
+    one: (&'static str, u32),
+    batch: (&'static str, u32),
+    experts: &'static str,
+}
+
+/// Threads per block of every matvec kernel.
+const THREADS: u32 = 128;
+
+/// The kernels for weights of `ty` in rows of `ncols`; `None` for the types without any
+/// (the codebook i-quants, ternary and MXFP4 formats).
+fn kernels(ty: GgmlType, ncols: usize) -> Option<Kernels> {
+    use GgmlType as G;
+    // Q4_K and the regrouped Q6_K / Q8_0: block-cooperative kernels, rows per block as
+    // measured (docs/cuda.md); every other format one warp per row.
+    let coop = |one: &'static str, rows, batch: &'static str, experts| Kernels {
+        one: (one, rows),
+        batch: (batch, 2),
+        experts,
+    };
+    let warp = |one: &'static str, experts| Kernels {
+        one: (one, THREADS / 32),
+        batch: (one, THREADS / 32),
+        experts,
+    };
+    Some(match (ty, regrouped(ty, ncols)) {
+        (G::Q4K, _) => coop("mmvq_q4_k", 8, "mmvq_q4_k_batch", "mmvq_moe_q4_k"),
+        (G::Q6K, true) => coop("mmvq_q6_k_r", 8, "mmvq_q6_k_r_batch", "mmvq_moe_q6_k_r"),
+        (G::Q8_0, true) => coop("mmvq_q8_0_r", 2, "mmvq_q8_0_r_batch", "mmvq_moe_q8_0_r"),
+        (G::Q6K, false) => warp("mmvq_q6_k", "mmvq_moe_q6_k"),
+        (G::Q8_0, false) => warp("mmvq_q8_0", "mmvq_moe_q8_0"),
+        (G::F32, _) => warp("mmvq_f32", "mmvq_moe_f32"),
+        (G::F16, _) => warp("mmvq_f16", "mmvq_moe_f16"),
+        (G::Bf16, _) => warp("mmvq_bf16", "mmvq_moe_bf16"),
+        (G::Q4_0, _) => warp("mmvq_q4_0", "mmvq_moe_q4_0"),
+        (G::Q4_1, _) => warp("mmvq_q4_1", "mmvq_moe_q4_1"),
+        (G::Q5_0, _) => warp("mmvq_q5_0", "mmvq_moe_q5_0"),
+        (G::Q5_1, _) => warp("mmvq_q5_1", "mmvq_moe_q5_1"),
+        (G::Q2K, _) => warp("mmvq_q2_k", "mmvq_moe_q2_k"),
+        (G::Q3K, _) => warp("mmvq_q3_k", "mmvq_moe_q3_k"),
+        (G::Q5K, _) => warp("mmvq_q5_k", "mmvq_moe_q5_k"),
+        (G::Iq4Nl, _) => warp("mmvq_iq4_nl", "mmvq_moe_iq4_nl"),
+        (G::Iq4Xs, _) => warp("mmvq_iq4_xs", "mmvq_moe_iq4_xs"),
+        _ => return None,
+    })
+}
+
+/// Whether the GPU has kernels for weights of `ty`.
+pub fn supported(ty: GgmlType) -> bool {
+    kernels(ty, 0).is_some()
 }
 
 /// The kernel's description of up to three matrices (`MatvecSet` in quant_matvec.cu).
@@ -223,7 +308,8 @@ pub fn mmvq_set(
     ncols: usize,
     ntok: usize,
 ) -> Result<(), CudaError> {
-    let name = kernel_for(ty).ok_or(CudaError::Unsupported { op: "matvec", ty })?;
+    let k = kernels(ty, ncols).ok_or(CudaError::Unsupported { op: "matvec", ty })?;
+    let (name, rows_per_block) = if ntok == 1 { k.one } else { k.batch };
     let row_bytes = ty
         .row_bytes(ncols as u64)
         .ok_or_else(|| CudaError::Invalid(format!("{ncols} columns are not whole {ty} blocks")))?
@@ -236,7 +322,6 @@ pub fn mmvq_set(
     if mats.is_empty() || mats.len() > 3 || x.q.len() < ntok * ncols || ncols % 32 != 0 {
         return Err(CudaError::Invalid("matvec: shapes".into()));
     }
-    let rows_per_block = rows_per_block(ty);
     let mut set = MatvecSet {
         w: [0; 3],
         y: [0; 3],
@@ -260,7 +345,7 @@ pub fn mmvq_set(
     let f = dev.function("quant_matvec", name)?;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
-        block_dim: (32 * ROWS_PER_BLOCK, 1, 1),
+        block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let (c, t) = (ncols as i32, ntok as i32);
@@ -305,29 +390,11 @@ pub fn mmvq_moe(
     n_tok: usize,
     per_slot: bool,
 ) -> Result<(), CudaError> {
-    let name = match e.ty {
-        GgmlType::F32 => "mmvq_moe_f32",
-        GgmlType::F16 => "mmvq_moe_f16",
-        GgmlType::Bf16 => "mmvq_moe_bf16",
-        GgmlType::Q4_0 => "mmvq_moe_q4_0",
-        GgmlType::Q4_1 => "mmvq_moe_q4_1",
-        GgmlType::Q5_0 => "mmvq_moe_q5_0",
-        GgmlType::Q5_1 => "mmvq_moe_q5_1",
-        GgmlType::Q8_0 => "mmvq_moe_q8_0",
-        GgmlType::Q2K => "mmvq_moe_q2_k",
-        GgmlType::Q3K => "mmvq_moe_q3_k",
-        GgmlType::Q4K => "mmvq_moe_q4_k",
-        GgmlType::Q5K => "mmvq_moe_q5_k",
-        GgmlType::Q6K => "mmvq_moe_q6_k",
-        GgmlType::Iq4Nl => "mmvq_moe_iq4_nl",
-        GgmlType::Iq4Xs => "mmvq_moe_iq4_xs",
-        ty => {
-            return Err(CudaError::Unsupported {
-                op: "expert matvec",
-                ty,
-            })
-        }
-    };
+    let k = kernels(e.ty, e.n_in).ok_or(CudaError::Unsupported {
+        op: "expert matvec",
+        ty: e.ty,
+    })?;
+    let (name, rows_per_block) = (k.experts, k.one.1);
     let stride = e.ty.row_bytes(e.n_in as u64).ok_or_else(|| {
         CudaError::Invalid(format!("{} columns are not whole {} blocks", e.n_in, e.ty))
     })? as usize
@@ -341,7 +408,6 @@ pub fn mmvq_moe(
     {
         return Err(CudaError::Invalid("expert matvec: shapes".into()));
     }
-    let rows_per_block = rows_per_block(e.ty);
     let f = dev.function("quant_matvec", name)?;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -349,7 +415,7 @@ pub fn mmvq_moe(
             n_used as u32,
             n_tok as u32,
         ),
-        block_dim: (32 * ROWS_PER_BLOCK, 1, 1),
+        block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let (st, nu, c, r, ps) = (
@@ -451,13 +517,18 @@ pub(crate) mod tests {
         let dev = CudaDevice::new(0).expect("GPU");
         let mut seed = 11u64;
         for ty in GPU_TYPES {
-            for (ncols, nrows) in [(256usize, 1usize), (2816, 37), (4096, 130)] {
+            // 800 columns: Q8_0 rows that are not whole groups (the plain layout); 4096:
+            // Q6_K regrouped, 256 and 2816 not.
+            for (ncols, nrows) in [(256usize, 1usize), (2816, 37), (4096, 130), (800, 5)] {
+                if ncols % ty.block_size() != 0 {
+                    continue;
+                }
                 let w = random_weights(ty, ncols, nrows, &mut seed);
                 for ntok in [1usize, 3, 8] {
                     let x: Vec<f32> = (0..ntok * ncols)
                         .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
                         .collect();
-                    let wd = dev.stream.clone_htod(&w).unwrap();
+                    let wd = upload_weights(&dev, &w, ty, ncols).unwrap();
                     let xd = dev.stream.clone_htod(&x).unwrap();
                     let mut yd = dev
                         .stream
@@ -542,26 +613,37 @@ pub(crate) mod tests {
             (GgmlType::Q4K, 4096usize, 14336usize),
             (GgmlType::Q4K, 4096, 4096),
             (GgmlType::Q4K, 4096, 1024),
+            (GgmlType::Q4K, 14336, 4096),
             (GgmlType::Q6K, 14336, 4096),
+            (GgmlType::Q6K, 4096, 1024),
             (GgmlType::Q6K, 4096, 128256),
             (GgmlType::Q8_0, 4096, 14336),
             (GgmlType::Q8_0, 14336, 4096),
+            (GgmlType::Q8_0, 4096, 4096),
         ];
         let mut ws = Vec::new();
         for (ty, ncols, nrows) in shapes {
+            // Copies enough to pass through the 60 MB L2 between launches, as in a decode step.
             let w = random_weights(ty, ncols, nrows, &mut seed);
-            let wd = dev.stream.clone_htod(&w).unwrap();
+            let copies = (256_000_000 / w.len()).clamp(1, 16);
+            let wd: Vec<_> = (0..copies)
+                .map(|_| upload_weights(&dev, &w, ty, ncols).unwrap())
+                .collect();
             let xd = dev.stream.clone_htod(&vec![0.5f32; ncols]).unwrap();
             let mut acts = DeviceActs::new(&dev, ncols).unwrap();
             acts.quantize(&dev, &xd, ncols).unwrap();
             let mut yd = dev.stream.alloc_zeros::<f32>(nrows).unwrap();
-            let ms = time(&mut || mmvq(&dev, ty, &wd, &acts, &mut yd, ncols, nrows, 1).unwrap());
+            let mut i = 0;
+            let ms = time(&mut || {
+                i = (i + 1) % copies;
+                mmvq(&dev, ty, &wd[i], &acts, &mut yd, ncols, nrows, 1).unwrap()
+            });
             eprintln!(
                 "mmvq {ty} {ncols}x{nrows}: {:.1} us, {:.2} TB/s of weights",
                 ms * 1e3,
                 w.len() as f64 / (ms / 1e3) / 1e12
             );
-            ws.push((wd, w.len()));
+            ws.push((wd.into_iter().next().unwrap(), w.len()));
         }
         // q, k and v of llama3-8b (4096 x 4096, 1024, 1024) in one launch and in three.
         let xd = dev.stream.clone_htod(&vec![0.5f32; 4096]).unwrap();

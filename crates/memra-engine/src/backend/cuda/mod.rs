@@ -13,6 +13,7 @@ pub mod graph;
 pub mod matvec;
 pub mod ops;
 pub mod probe;
+pub mod sampling;
 
 use std::sync::Arc;
 
@@ -130,6 +131,10 @@ impl CudaDevice {
                 wanted,
             });
         }
+        // The driver reserves each thread's stack for every thread the GPU can hold (1 KiB
+        // by default: 264 MiB on the H200). Our kernels need at most 128 bytes, and the
+        // driver grows the limit for a kernel that needs more, so start from none.
+        ctx.set_limit(cudarc::driver::sys::CUlimit::CU_LIMIT_STACK_SIZE, 0)?;
         let modules = FATBINS
             .iter()
             .map(|&(family, image)| {

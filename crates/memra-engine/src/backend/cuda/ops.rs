@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelA
 use half::f16;
 use memra_gguf::GgmlType;
 
-use super::matvec::DeviceActs;
+use super::matvec::{device_type_id, regrouped, DeviceActs};
 use super::{CudaDevice, CudaError};
 
 const THREADS: u32 = 256;
@@ -453,58 +453,6 @@ pub fn scale_rows(
     Ok(())
 }
 
-/// Blocks of the first argmax pass (their partial results live in an [`ArgmaxParts`]).
-pub const ARGMAX_BLOCKS: usize = 64;
-
-/// The partial results of [`argmax`]'s first pass.
-pub struct ArgmaxParts {
-    values: CudaSlice<f32>,
-    indices: CudaSlice<i32>,
-}
-
-impl ArgmaxParts {
-    pub fn new(dev: &CudaDevice) -> Result<ArgmaxParts, CudaError> {
-        Ok(ArgmaxParts {
-            values: dev.stream.alloc_zeros(ARGMAX_BLOCKS)?,
-            indices: dev.stream.alloc_zeros(ARGMAX_BLOCKS)?,
-        })
-    }
-}
-
-/// The index of the largest of the first `n` values of `x` (the first on ties), into
-/// `out` (one i32), in two launches.
-pub fn argmax(
-    dev: &CudaDevice,
-    x: &CudaSlice<f32>,
-    n: usize,
-    parts: &mut ArgmaxParts,
-    out: &mut CudaSlice<i32>,
-) -> Result<(), CudaError> {
-    check(x.len() >= n && n > 0 && !out.is_empty(), "argmax: shapes")?;
-    let partial = dev.function("elementwise", "argmax_partial")?;
-    let last = dev.function("elementwise", "argmax_final")?;
-    let cfg = |grid: usize| blocks(grid, 1024);
-    let (n_i, parts_i) = (n as i32, ARGMAX_BLOCKS as i32);
-    // SAFETY: n values of x; ARGMAX_BLOCKS partials; one output.
-    unsafe {
-        dev.stream
-            .launch_builder(&partial)
-            .arg(x)
-            .arg(&n_i)
-            .arg(&mut parts.values)
-            .arg(&mut parts.indices)
-            .launch(cfg(ARGMAX_BLOCKS))?;
-        dev.stream
-            .launch_builder(&last)
-            .arg(&parts.values)
-            .arg(&parts.indices)
-            .arg(&parts_i)
-            .arg(out)
-            .launch(cfg(1))?;
-    }
-    Ok(())
-}
-
 /// MoE routing of `n_tok` tokens: softmax over `n_exp` router logits, the `n_used` most
 /// probable experts into `ids`, their probabilities (renormalized when `normalize`) into
 /// `weights` (both `n_tok x n_used`).
@@ -578,10 +526,6 @@ pub fn moe_combine(
 }
 
 /// The ggml type id the device decoders dispatch on, for the types they know.
-fn device_type_id(ty: GgmlType) -> Option<i32> {
-    super::matvec::kernel_for(ty).map(|_| ty as u32 as i32)
-}
-
 /// Embedding rows: `out[t] = w[ids[t]] * scale` for `n` tokens (`w`: rows of `ncols`
 /// weights of `ty`; ids are checked against `n_rows` by the caller).
 #[allow(clippy::too_many_arguments)]
@@ -595,7 +539,7 @@ pub fn embed_rows(
     n: usize,
     scale: f32,
 ) -> Result<(), CudaError> {
-    let ty_id = device_type_id(ty).ok_or(CudaError::Unsupported {
+    let ty_id = device_type_id(ty, ncols).ok_or(CudaError::Unsupported {
         op: "embedding",
         ty,
     })?;
@@ -659,6 +603,8 @@ pub fn dequantize_f16(
         GgmlType::Q4_1 => "dequant_f16_q4_1",
         GgmlType::Q5_0 => "dequant_f16_q5_0",
         GgmlType::Q5_1 => "dequant_f16_q5_1",
+        GgmlType::Q8_0 if regrouped(ty, ncols) => "dequant_f16_q8_0_r",
+        GgmlType::Q6K if regrouped(ty, ncols) => "dequant_f16_q6_k_r",
         GgmlType::Q8_0 => "dequant_f16_q8_0",
         GgmlType::Iq4Nl => "dequant_f16_iq4_nl",
         GgmlType::Q2K => "dequant_f16_q2_k",
@@ -692,6 +638,7 @@ pub fn dequantize_f16(
 #[cfg(test)]
 mod tests {
     use super::super::matvec::tests::{lcg, random_weights, GPU_TYPES};
+    use super::super::matvec::upload_weights;
     use super::*;
     use memra_gguf::quant::dequantize_to_vec;
 
@@ -702,11 +649,14 @@ mod tests {
     fn gpu_dequantize_and_embed_match_the_cpu_reference() {
         let dev = CudaDevice::new(0).expect("GPU");
         let mut seed = 21u64;
-        for ty in GPU_TYPES {
-            let (ncols, nrows) = (2816usize, 37usize);
+        // 2816 columns: Q8_0 regrouped, Q6_K not; 2048: both regrouped.
+        for (ty, (ncols, nrows)) in GPU_TYPES
+            .into_iter()
+            .flat_map(|ty| [(ty, (2816usize, 37usize)), (ty, (2048, 5))])
+        {
             let w = random_weights(ty, ncols, nrows, &mut seed);
             let want = dequantize_to_vec(ty, &w).unwrap();
-            let wd = dev.stream.clone_htod(&w).unwrap();
+            let wd = upload_weights(&dev, &w, ty, ncols).unwrap();
             if ty != GgmlType::F16 {
                 let mut out = dev.stream.alloc_zeros::<f16>(ncols * nrows).unwrap();
                 dequantize_f16(

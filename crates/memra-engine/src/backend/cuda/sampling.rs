@@ -1,0 +1,300 @@
+//! Picking the next token on the device (`cu/sampling.cu`), so that only its id comes
+//! back: the greedy pick, and sampling as [`Sampler::sample`] does it (bias, penalties,
+//! top-k, top-p, min-p, temperature, and a draw with the host generator's number).
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::ops::{blocks, check, grid_1d};
+use super::{CudaDevice, CudaError};
+use crate::sampler::DevicePlan;
+
+/// Blocks of the first argmax pass (their partial results live in an [`ArgmaxParts`]).
+pub const ARGMAX_BLOCKS: usize = 64;
+/// Candidates the sampling kernel keeps at most (its top-k): `MAX_CANDIDATES` in the .cu.
+pub const MAX_CANDIDATES: usize = 1024;
+
+/// The partial results of [`argmax`]'s first pass.
+pub struct ArgmaxParts {
+    values: CudaSlice<f32>,
+    indices: CudaSlice<i32>,
+}
+
+impl ArgmaxParts {
+    pub fn new(dev: &CudaDevice) -> Result<ArgmaxParts, CudaError> {
+        Ok(ArgmaxParts {
+            values: dev.stream.alloc_zeros(ARGMAX_BLOCKS)?,
+            indices: dev.stream.alloc_zeros(ARGMAX_BLOCKS)?,
+        })
+    }
+}
+
+/// The index of the largest of the first `n` values of `x` (the first on ties), into
+/// `out` (one i32), in two launches.
+pub fn argmax(
+    dev: &CudaDevice,
+    x: &CudaSlice<f32>,
+    n: usize,
+    parts: &mut ArgmaxParts,
+    out: &mut CudaSlice<i32>,
+) -> Result<(), CudaError> {
+    check(x.len() >= n && n > 0 && !out.is_empty(), "argmax: shapes")?;
+    let partial = dev.function("sampling", "argmax_partial")?;
+    let last = dev.function("sampling", "argmax_final")?;
+    let cfg = |grid: usize| blocks(grid, 1024);
+    let (n_i, parts_i) = (n as i32, ARGMAX_BLOCKS as i32);
+    // SAFETY: n values of x; ARGMAX_BLOCKS partials; one output.
+    unsafe {
+        dev.stream
+            .launch_builder(&partial)
+            .arg(x)
+            .arg(&n_i)
+            .arg(&mut parts.values)
+            .arg(&mut parts.indices)
+            .launch(cfg(ARGMAX_BLOCKS))?;
+        dev.stream
+            .launch_builder(&last)
+            .arg(&parts.values)
+            .arg(&parts.indices)
+            .arg(&parts_i)
+            .arg(out)
+            .launch(cfg(1))?;
+    }
+    Ok(())
+}
+
+/// Buffers of the device sampler: the logit adjustments of a step and the result.
+pub struct DeviceSampler {
+    ids: CudaSlice<i32>,
+    bias: CudaSlice<f32>,
+    counts: CudaSlice<i32>,
+    /// The token, and whether the draw was used.
+    out: CudaSlice<i32>,
+    parts: ArgmaxParts,
+}
+
+/// What the device picked.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DevicePick {
+    /// The token, and whether the host's uniform number was used for it.
+    Token { id: u32, drew: bool },
+    /// No logit is finite: the host sampler decides.
+    NoFinite,
+}
+
+impl DeviceSampler {
+    pub fn new(dev: &CudaDevice) -> Result<DeviceSampler, CudaError> {
+        Ok(DeviceSampler {
+            ids: dev.stream.alloc_zeros(1)?,
+            bias: dev.stream.alloc_zeros(1)?,
+            counts: dev.stream.alloc_zeros(1)?,
+            out: dev.stream.alloc_zeros(2)?,
+            parts: ArgmaxParts::new(dev)?,
+        })
+    }
+
+    /// Picks from the first `n` logits by `plan` (which may change them), `u` being the
+    /// uniform number of the draw.
+    pub fn pick(
+        &mut self,
+        dev: &CudaDevice,
+        logits: &mut CudaSlice<f32>,
+        n: usize,
+        plan: &DevicePlan,
+        u: f64,
+    ) -> Result<DevicePick, CudaError> {
+        check(logits.len() >= n && n > 0, "sample: shapes")?;
+        let m = plan.adjust.len();
+        if m > 0 {
+            check(
+                plan.adjust.iter().all(|a| (a.0 as usize) < n),
+                "sample: token ids of the adjustments",
+            )?;
+            if self.ids.len() < m {
+                self.ids = dev.stream.alloc_zeros(m.next_power_of_two())?;
+                self.bias = dev.stream.alloc_zeros(m.next_power_of_two())?;
+                self.counts = dev.stream.alloc_zeros(m.next_power_of_two())?;
+            }
+            let ids: Vec<i32> = plan.adjust.iter().map(|a| a.0 as i32).collect();
+            let bias: Vec<f32> = plan.adjust.iter().map(|a| a.1).collect();
+            let counts: Vec<i32> = plan.adjust.iter().map(|a| a.2 as i32).collect();
+            dev.stream.memcpy_htod(&ids, &mut self.ids)?;
+            dev.stream.memcpy_htod(&bias, &mut self.bias)?;
+            dev.stream.memcpy_htod(&counts, &mut self.counts)?;
+            let f = dev.function("sampling", "sample_adjust")?;
+            let m_i = m as i32;
+            // SAFETY: m entries in each list (allocated above), ids below n (checked).
+            unsafe {
+                dev.stream
+                    .launch_builder(&f)
+                    .arg(&mut *logits)
+                    .arg(&self.ids)
+                    .arg(&self.bias)
+                    .arg(&self.counts)
+                    .arg(&m_i)
+                    .arg(&plan.repeat_penalty)
+                    .arg(&plan.frequency_penalty)
+                    .arg(&plan.presence_penalty)
+                    .launch(grid_1d(m))?;
+            }
+        }
+        let Some(fl) = plan.filters else {
+            argmax(dev, logits, n, &mut self.parts, &mut self.out)?;
+            let out = dev.stream.clone_dtoh(&self.out.slice(..1))?;
+            return Ok(DevicePick::Token {
+                id: out[0] as u32,
+                drew: false,
+            });
+        };
+        check(
+            (1..=MAX_CANDIDATES).contains(&fl.top_k) && fl.temperature > 0.0,
+            "sample: top-k and temperature",
+        )?;
+        let f = dev.function("sampling", "sample_top_k")?;
+        let (n_i, k_i) = (n as i32, fl.top_k as i32);
+        // SAFETY: n logits; two outputs.
+        unsafe {
+            dev.stream
+                .launch_builder(&f)
+                .arg(&*logits)
+                .arg(&n_i)
+                .arg(&k_i)
+                .arg(&fl.top_p)
+                .arg(&fl.min_p)
+                .arg(&fl.temperature)
+                .arg(&u)
+                .arg(&mut self.out)
+                .launch(LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (1024, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+        }
+        let out = dev.stream.clone_dtoh(&self.out)?;
+        Ok(if out[0] < 0 {
+            DevicePick::NoFinite
+        } else {
+            DevicePick::Token {
+                id: out[0] as u32,
+                drew: out[1] != 0,
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::matvec::tests::lcg;
+    use super::*;
+    use crate::sampler::{Sampler, SamplerConfig};
+
+    /// The device sampler against the CPU sampler on the same logits, recent tokens and
+    /// seed: fresh random logits (ties, banned and NaN logits among them), every filter,
+    /// bias and penalties, and the cases with more equal logits than places and with no
+    /// finite logit. Both must pick the same token and use the same random numbers.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_sampling_matches_the_cpu_sampler() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 5u64;
+        let mut ds = DeviceSampler::new(&dev).unwrap();
+        let mut rnd = |m: u64| lcg(&mut seed) % m;
+        let mut drew = 0;
+        let mut timings = Vec::new();
+        for case in 0..400 {
+            let n = [1000usize, 32000, 128256][case % 3];
+            // Logits on a coarse grid (many ties) or spread; some banned, some NaN.
+            let coarse = case % 4 == 0;
+            let mut logits: Vec<f32> = (0..n)
+                .map(|_| {
+                    let r = rnd(1_000_000) as f32 / 1e5 - 5.0;
+                    if coarse {
+                        r.round()
+                    } else {
+                        r
+                    }
+                })
+                .collect();
+            for _ in 0..rnd(20) {
+                logits[rnd(n as u64) as usize] = f32::NEG_INFINITY;
+            }
+            if case % 7 == 0 {
+                logits[rnd(n as u64) as usize] = f32::NAN;
+            }
+            if case == 5 {
+                logits.iter_mut().for_each(|v| *v = 1.0); // every logit equal
+            }
+            if case == 6 {
+                logits.iter_mut().for_each(|v| *v = f32::NEG_INFINITY); // none finite
+            }
+            let mut config = SamplerConfig {
+                temperature: [0.0, 0.3, 0.8, 1.5][rnd(4) as usize],
+                top_k: [1usize, 2, 40, 100, 1024][rnd(5) as usize],
+                top_p: [1.0, 0.95, 0.5][rnd(3) as usize],
+                min_p: [0.0, 0.05, 0.3][rnd(3) as usize],
+                repeat_penalty: [1.0, 1.1, 1.5][rnd(3) as usize],
+                presence_penalty: [0.0, 0.5][rnd(2) as usize],
+                frequency_penalty: [0.0, 0.25][rnd(2) as usize],
+                penalty_last_n: 64,
+                seed: case as u64,
+                ..SamplerConfig::default()
+            };
+            for _ in 0..rnd(4) {
+                let b = [-1e30f32, -2.0, 3.0, f32::NEG_INFINITY][rnd(4) as usize];
+                config.logit_bias.insert(rnd(n as u64 + 10) as u32, b);
+            }
+            let mut cpu = Sampler::new(config.clone()).unwrap();
+            let mut gpu = Sampler::new(config).unwrap();
+            for _ in 0..rnd(100) {
+                let t = rnd(n as u64 / 10 + 1) as u32;
+                cpu.accept(t);
+                gpu.accept(t);
+            }
+            let want = cpu.sample(&logits);
+            let plan = gpu
+                .device_plan(n, MAX_CANDIDATES)
+                .expect("top-k within the device's");
+            let u = gpu.peek_uniform();
+            let mut ld = dev.stream.clone_htod(&logits).unwrap();
+            let start = std::time::Instant::now();
+            let got = match ds.pick(&dev, &mut ld, n, &plan, u).unwrap() {
+                DevicePick::Token { id, drew: d } => {
+                    if d {
+                        gpu.consume_uniform();
+                        drew += 1;
+                    }
+                    id
+                }
+                DevicePick::NoFinite => {
+                    crate::sampler::argmax(&dev.stream.clone_dtoh(&ld).unwrap())
+                }
+            };
+            if n == 128256 && plan.adjust.is_empty() && plan.filters.is_some() {
+                timings.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            assert_eq!(got, want, "case {case}: n {n}, plan {plan:?}");
+            assert_eq!(
+                gpu.peek_uniform(),
+                cpu.peek_uniform(),
+                "case {case}: random numbers used differently"
+            );
+        }
+        assert!(drew > 100, "too few draws exercised: {drew}");
+        timings.sort_by(f64::total_cmp);
+        if !timings.is_empty() {
+            eprintln!(
+                "sample_top_k over 128256 logits, with the copy of the result: median {:.0} us",
+                timings[timings.len() / 2]
+            );
+        }
+        // A bad plan is an error, not a launch.
+        let bad = DevicePlan {
+            adjust: vec![(5000, 1.0, 0)],
+            repeat_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            filters: None,
+        };
+        let mut ld = dev.stream.alloc_zeros::<f32>(1000).unwrap();
+        assert!(ds.pick(&dev, &mut ld, 1000, &bad, 0.5).is_err());
+    }
+}
