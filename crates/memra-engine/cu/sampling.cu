@@ -79,12 +79,17 @@ extern "C" __global__ void sample_adjust(float* __restrict__ logits, const int* 
 
 #define SAMPLE_THREADS 1024
 #define MAX_CANDIDATES 1024
+#define SLICE 4096  // logits per block of the first stage
 
 // A key whose unsigned order is the floats' total order (so +0 ranks above -0, as the
-// CPU's total_cmp has it).
+// CPU's total_cmp has it). Key 0 (a NaN's) marks "not a candidate": no finite logit has it.
 __device__ __forceinline__ uint32_t order_key(float v) {
     const uint32_t b = __float_as_uint(v);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
 // Whether candidate a comes before b: larger logit first, then the lower id.
@@ -92,47 +97,55 @@ __device__ __forceinline__ bool before(uint32_t ka, int ia, uint32_t kb, int ib)
     return ka > kb || (ka == kb && ia < ib);
 }
 
-// Sampling from n logits, in one block: out[0] = the token, out[1] = 1 when the draw `u`
-// was used; out[0] = -1 when no logit is finite (the host then falls back to the CPU
-// sampler's rule).
-// 1. The top k finite logits (k <= MAX_CANDIDATES): the k-th largest key by a radix select
-//    of four 8-bit passes over the logits (a histogram in shared memory per pass), then
-//    every key above it and the lowest ids among those equal to it.
-// 2. Sorted (bitonic, in shared memory); softmax; the shortest prefix whose probability
-//    reaches top_p; those at least min_p times the first's; then the softmax of the rest at
-//    temperature `temp` and the first whose running sum passes u. The sums go in the CPU's
-//    order (one thread, f32 sums and f64 running sums), so both pick the same token up to
-//    the last bits of exp.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_top_k(const float* __restrict__ logits, int n, int k, float top_p, float min_p, float temp, double u,
-                 int* __restrict__ out) {
-    PDL_WAIT();
+// Rank of this thread's flag among the block's set flags before it, and their total.
+__device__ __forceinline__ unsigned block_rank(bool flag, unsigned& total) {
+    __shared__ unsigned warp_count[SAMPLE_THREADS / WARP_SIZE];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const unsigned ballot = __ballot_sync(0xffffffff, flag);
+    if (lane == 0) warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    unsigned rank = __popc(ballot & ((1u << lane) - 1));
+    total = 0;
+    for (int w = 0; w < SAMPLE_THREADS / WARP_SIZE; ++w) {
+        if (w < warp) rank += warp_count[w];
+        total += warp_count[w];
+    }
+    __syncthreads();
+    return rank;
+}
+
+// The top `k` of `n` keys (key 0: none) in the total order (key desc, then position asc),
+// copied in position order to out_keys/out_pos (positions offset by `base`): a radix select
+// of four 8-bit passes finds the k-th largest key, then one ordered pass takes every key
+// above it and the first of those equal to it. `key_at(i)` reads key i. Returns how many.
+template <typename KeyAt>
+__device__ __forceinline__ unsigned select_top_k(KeyAt key_at, int n, unsigned k, uint32_t* out_keys,
+                                                 int* out_pos, int base) {
     __shared__ unsigned hist[256];
     __shared__ uint32_t s_prefix;
-    __shared__ unsigned s_remaining, s_finite, n_above, n_ties, n_taken;
-    __shared__ uint32_t ck[MAX_CANDIDATES];
-    __shared__ int ci[MAX_CANDIDATES];
-    __shared__ float pe[MAX_CANDIDATES];
-    __shared__ unsigned warp_ties[SAMPLE_THREADS / WARP_SIZE];
+    __shared__ unsigned s_remaining, s_count;
     const int tid = threadIdx.x;
-
     uint32_t prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = tid; b < 256; b += SAMPLE_THREADS) hist[b] = 0;
         __syncthreads();
-#pragma unroll 4
-        for (int i = tid; i < n; i += SAMPLE_THREADS) {
-            const float v = logits[i];
-            const uint32_t key = order_key(v);
-            if (isfinite(v) && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
+        // Logits crowd into a few bins (the exponent bits), so the lanes of a warp that
+        // share a bin add their count once.
+        for (int start = 0; start < n; start += SAMPLE_THREADS) {
+            const int i = start + tid;
+            const uint32_t key = i < n ? key_at(i) : 0;
+            const bool counted = key != 0 && (key & mask) == prefix;
+            const unsigned bin = (key >> shift) & 0xff;
+            const unsigned peers = __match_any_sync(0xffffffff, counted ? bin : 0x100u);
+            if (counted && __ffs(peers) - 1 == tid % WARP_SIZE) atomicAdd(&hist[bin], __popc(peers));
         }
         __syncthreads();
         if (tid == 0) {
             if (shift == 24) {
                 unsigned total = 0;
                 for (int b = 0; b < 256; ++b) total += hist[b];
-                s_finite = total;
-                s_remaining = min((unsigned)k, total);
+                s_count = total;
+                s_remaining = min(k, total);
             }
             unsigned above = 0;
             int b = 255;
@@ -141,75 +154,83 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             s_remaining -= above;
         }
         __syncthreads();
-        if (s_finite == 0) {
-            if (tid == 0) {
-                out[0] = -1;
-                out[1] = 0;
-            }
-            return;
-        }
+        if (s_count == 0) return 0;
         prefix = s_prefix;
         mask |= 0xffu << shift;
     }
-    // prefix is now the k-th largest key; s_remaining of the keys equal to it are taken.
-    const unsigned kk = min((unsigned)k, s_finite);
-    if (tid == 0) {
-        n_above = 0;
-        n_ties = 0;
-    }
-    __syncthreads();
-    for (int i = tid; i < n; i += SAMPLE_THREADS) {
-        const float v = logits[i];
-        const uint32_t key = order_key(v);
-        if (!isfinite(v)) continue;
-        if (key > prefix) {
-            const unsigned at = atomicAdd(&n_above, 1u);
-            ck[at] = key;
-            ci[at] = i;
-        } else if (key == prefix) {
-            atomicAdd(&n_ties, 1u);
+    // prefix: the k-th largest key; the first s_remaining keys equal to it are taken.
+    const unsigned ties_wanted = s_remaining, count = min(k, s_count);
+    unsigned taken = 0, ties = 0;
+    for (int start = 0; start < n && taken < count; start += SAMPLE_THREADS) {
+        const int i = start + tid;
+        const uint32_t key = i < n ? key_at(i) : 0;
+        unsigned n_ties;
+        const bool tie = key != 0 && key == prefix;
+        const unsigned tie_rank = block_rank(tie, n_ties);
+        const bool take = (key != 0 && key > prefix) || (tie && ties + tie_rank < ties_wanted);
+        unsigned n_take;
+        const unsigned at = taken + block_rank(take, n_take);
+        if (take) {
+            out_keys[at] = key;
+            out_pos[at] = base + i;
         }
+        taken += n_take;
+        ties += n_ties;
     }
-    __syncthreads();
-    const unsigned take = kk - n_above;
-    if (n_ties == take) {
-        // The usual case: every equal key is taken.
-        if (tid == 0) n_taken = 0;
-        __syncthreads();
-        for (int i = tid; i < n; i += SAMPLE_THREADS) {
-            const float v = logits[i];
-            if (isfinite(v) && order_key(v) == prefix) {
-                const unsigned at = n_above + atomicAdd(&n_taken, 1u);
-                ck[at] = prefix;
-                ci[at] = i;
-            }
-        }
-    } else {
-        // More equal keys than places: the lowest ids, in order, 1024 ids at a time.
-        unsigned taken = 0;
-        for (int base = 0; base < n && taken < take; base += SAMPLE_THREADS) {
-            const int i = base + tid;
-            const bool tie = i < n && isfinite(logits[i]) && order_key(logits[i]) == prefix;
-            const unsigned ballot = __ballot_sync(0xffffffff, tie);
-            const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-            if (lane == 0) warp_ties[warp] = __popc(ballot);
-            __syncthreads();
-            unsigned rank = __popc(ballot & ((1u << lane) - 1)), total = 0;
-            for (int w = 0; w < SAMPLE_THREADS / WARP_SIZE; ++w) {
-                if (w < warp) rank += warp_ties[w];
-                total += warp_ties[w];
-            }
-            if (tie && taken + rank < take) {
-                ck[n_above + taken + rank] = prefix;
-                ci[n_above + taken + rank] = i;
-            }
-            taken += total;
-            __syncthreads();
-        }
-    }
-    __syncthreads();
+    __syncthreads();  // the copies are visible to the whole block
+    return count;
+}
 
-    // Bitonic sort of the kk candidates, padded to a power of two with the lowest keys.
+// Stage 1: block b takes logits b*SLICE .. and writes its top k (in id order) at b*k of
+// cand_keys / cand_ids, and how many to counts[b]. Every token of the overall top k is
+// among its block's top k, so stage 2 needs only these.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
+    sample_candidates(const float* __restrict__ logits, int n, int k, uint32_t* __restrict__ cand_keys,
+                      int* __restrict__ cand_ids, int* __restrict__ counts) {
+    PDL_WAIT();
+    __shared__ uint32_t keys[SLICE];
+    const int base = blockIdx.x * SLICE, len = min(SLICE, n - base);
+    for (int i = threadIdx.x; i < len; i += SAMPLE_THREADS) {
+        const float v = logits[base + i];
+        keys[i] = isfinite(v) ? order_key(v) : 0;
+    }
+    __syncthreads();
+    const size_t at = (size_t)blockIdx.x * k;
+    const uint32_t* slice = keys;
+    const unsigned count =
+        select_top_k([=](int i) { return slice[i]; }, len, k, cand_keys + at, cand_ids + at, base);
+    if (threadIdx.x == 0) counts[blockIdx.x] = count;
+}
+
+// Stage 2, one block: the top k of the n_blocks blocks' candidates (their concatenation is
+// in id order), sorted (bitonic, in shared memory); softmax; the shortest prefix whose
+// probability reaches top_p; those at least min_p times the first's; then the softmax of
+// the rest at temperature `temp` and the first whose running sum passes the uniform `u`.
+// The sums go in the CPU's order (one thread, f32 sums and f64 running sums), so both pick
+// the same token up to the last bits of exp. out[0] = the token, out[1] = 1 (the draw was
+// used); out[0] = -1 when no logit is finite (the host then follows the CPU's rule).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
+    sample_pick(const uint32_t* __restrict__ cand_keys, const int* __restrict__ cand_ids,
+                const int* __restrict__ counts, int n_blocks, int k, float top_p, float min_p, float temp,
+                double u, int* __restrict__ out) {
+    PDL_WAIT();
+    __shared__ uint32_t ck[MAX_CANDIDATES];
+    __shared__ int cpos[MAX_CANDIDATES];
+    __shared__ int ci[MAX_CANDIDATES];
+    __shared__ float pe[MAX_CANDIDATES];
+    __shared__ unsigned s_keep;
+    const int tid = threadIdx.x;
+    const auto key_at = [=](int j) { return (j % k) < counts[j / k] ? cand_keys[j] : 0u; };
+    const unsigned kk = select_top_k(key_at, n_blocks * k, k, ck, cpos, 0);
+    if (kk == 0) {
+        if (tid == 0) {
+            out[0] = -1;
+            out[1] = 0;
+        }
+        return;
+    }
+    for (unsigned i = tid; i < kk; i += SAMPLE_THREADS) ci[i] = cand_ids[cpos[i]];
+    // Bitonic sort of the kk candidates, padded to a power of two with keys that sort last.
     unsigned p2 = 1;
     while (p2 < kk) p2 <<= 1;
     for (unsigned i = kk + tid; i < p2; i += SAMPLE_THREADS) {
@@ -235,12 +256,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             __syncthreads();
         }
     }
-
-    // Keys back to logits: cand i has logit logits[ci[i]].
-    const float top = logits[ci[0]];
-    for (unsigned i = tid; i < kk; i += SAMPLE_THREADS) pe[i] = expf(logits[ci[i]] - top);
+    const float top = key_value(ck[0]);
+    for (unsigned i = tid; i < kk; i += SAMPLE_THREADS) pe[i] = expf(key_value(ck[i]) - top);
     __syncthreads();
-    __shared__ unsigned s_keep;
     if (tid == 0) {
         float z = 0.0f;
         for (unsigned i = 0; i < kk; ++i) z += pe[i];
@@ -266,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __syncthreads();
     const unsigned keep = s_keep;
     const float top_t = top / temp;
-    for (unsigned i = tid; i < keep; i += SAMPLE_THREADS) pe[i] = expf(logits[ci[i]] / temp - top_t);
+    for (unsigned i = tid; i < keep; i += SAMPLE_THREADS) pe[i] = expf(key_value(ck[i]) / temp - top_t);
     __syncthreads();
     if (tid == 0) {
         float z = 0.0f;

@@ -10,8 +10,10 @@ use crate::sampler::DevicePlan;
 
 /// Blocks of the first argmax pass (their partial results live in an [`ArgmaxParts`]).
 pub const ARGMAX_BLOCKS: usize = 64;
-/// Candidates the sampling kernel keeps at most (its top-k): `MAX_CANDIDATES` in the .cu.
+/// Candidates the sampling kernels keep at most (their top-k): `MAX_CANDIDATES` in the .cu.
 pub const MAX_CANDIDATES: usize = 1024;
+/// Logits per block of the first sampling stage (`SLICE` in the .cu).
+const SLICE: usize = 4096;
 
 /// The partial results of [`argmax`]'s first pass.
 pub struct ArgmaxParts {
@@ -67,6 +69,11 @@ pub struct DeviceSampler {
     ids: CudaSlice<i32>,
     bias: CudaSlice<f32>,
     counts: CudaSlice<i32>,
+    /// The first stage's candidates: per block of SLICE logits, up to top-k keys and ids,
+    /// and how many.
+    cand_keys: CudaSlice<u32>,
+    cand_ids: CudaSlice<i32>,
+    cand_counts: CudaSlice<i32>,
     /// The token, and whether the draw was used.
     out: CudaSlice<i32>,
     parts: ArgmaxParts,
@@ -87,6 +94,9 @@ impl DeviceSampler {
             ids: dev.stream.alloc_zeros(1)?,
             bias: dev.stream.alloc_zeros(1)?,
             counts: dev.stream.alloc_zeros(1)?,
+            cand_keys: dev.stream.alloc_zeros(1)?,
+            cand_ids: dev.stream.alloc_zeros(1)?,
+            cand_counts: dev.stream.alloc_zeros(1)?,
             out: dev.stream.alloc_zeros(2)?,
             parts: ArgmaxParts::new(dev)?,
         })
@@ -149,25 +159,48 @@ impl DeviceSampler {
             (1..=MAX_CANDIDATES).contains(&fl.top_k) && fl.temperature > 0.0,
             "sample: top-k and temperature",
         )?;
-        let f = dev.function("sampling", "sample_top_k")?;
-        let (n_i, k_i) = (n as i32, fl.top_k as i32);
-        // SAFETY: n logits; two outputs.
+        let n_blocks = n.div_ceil(SLICE);
+        let k = fl.top_k;
+        if self.cand_keys.len() < n_blocks * k {
+            self.cand_keys = dev.stream.alloc_zeros(n_blocks * k)?;
+            self.cand_ids = dev.stream.alloc_zeros(n_blocks * k)?;
+        }
+        if self.cand_counts.len() < n_blocks {
+            self.cand_counts = dev.stream.alloc_zeros(n_blocks)?;
+        }
+        let first = dev.function("sampling", "sample_candidates")?;
+        let pick = dev.function("sampling", "sample_pick")?;
+        let (n_i, k_i, blocks_i) = (n as i32, k as i32, n_blocks as i32);
+        let cfg = |grid: usize| LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: n logits; n_blocks x k candidates and n_blocks counts (allocated above);
+        // two outputs.
         unsafe {
             dev.stream
-                .launch_builder(&f)
+                .launch_builder(&first)
                 .arg(&*logits)
                 .arg(&n_i)
+                .arg(&k_i)
+                .arg(&mut self.cand_keys)
+                .arg(&mut self.cand_ids)
+                .arg(&mut self.cand_counts)
+                .launch(cfg(n_blocks))?;
+            dev.stream
+                .launch_builder(&pick)
+                .arg(&self.cand_keys)
+                .arg(&self.cand_ids)
+                .arg(&self.cand_counts)
+                .arg(&blocks_i)
                 .arg(&k_i)
                 .arg(&fl.top_p)
                 .arg(&fl.min_p)
                 .arg(&fl.temperature)
                 .arg(&u)
                 .arg(&mut self.out)
-                .launch(LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (1024, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
+                .launch(cfg(1))?;
         }
         let out = dev.stream.clone_dtoh(&self.out)?;
         Ok(if out[0] < 0 {
@@ -282,7 +315,7 @@ mod tests {
         timings.sort_by(f64::total_cmp);
         if !timings.is_empty() {
             eprintln!(
-                "sample_top_k over 128256 logits, with the copy of the result: median {:.0} us",
+                "device sampling over 128256 logits, with the copy of the result: median {:.0} us",
                 timings[timings.len() / 2]
             );
         }
