@@ -228,25 +228,28 @@ ATTN_DECODE(64)
 ATTN_DECODE(128)
 ATTN_DECODE(256)
 
-// Merges the splits of each head (one block of D threads per head) into the attention
-// output; writes it as f32 (`out`, may be null) and quantized to int8 per 32 for the output
-// projection's matvec (`xq`, `xd`, `xs`, may be null), as quantize_act_q8 does. The split
-// weights are computed once per block, in parallel; the sum over splits then reads every
-// split's partial with loads in flight together (a serial loop over 64 splits, waiting on
-// each load, had cost more than the attention itself at long contexts).
+// Merges the splits of each head into the attention output; writes it as f32 (`out`, may
+// be null) and quantized to int8 per 32 for the output projection's matvec (`xq`, `xd`,
+// `xs`, may be null), as quantize_act_q8 does. One block of D x SPLIT_GROUPS threads per
+// head: the split weights are computed once per block, in parallel; thread (d, g) sums
+// dimension d over the splits g, g + SPLIT_GROUPS, ... with its loads in flight together,
+// and the groups meet in shared memory. (A serial loop over 64 splits, waiting on each
+// load, had cost more than the attention itself at long contexts.)
 #define MAX_SPLITS 64
+#define SPLIT_GROUPS 4
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         float* __restrict__ out, int8_t* __restrict__ xq, float* __restrict__ xd,
                                         float* __restrict__ xs, int n_head, int d_head, int n_split) {
     PDL_WAIT();
     __shared__ float weight[MAX_SPLITS];
-    const int h = blockIdx.x, d = threadIdx.x;
+    __shared__ float group_sum[SPLIT_GROUPS - 1][256];
+    const int h = blockIdx.x, d = threadIdx.x % d_head, g = threadIdx.x / d_head;
     float mx = -INFINITY;
-    for (int s = d; s < n_split; s += blockDim.x) mx = fmaxf(mx, part_ml[((size_t)s * n_head + h) * 2]);
+    for (int s = threadIdx.x; s < n_split; s += blockDim.x) mx = fmaxf(mx, part_ml[((size_t)s * n_head + h) * 2]);
     mx = block_max(mx);
     float sum = 0.0f;
-    for (int s = d; s < n_split; s += blockDim.x) {
+    for (int s = threadIdx.x; s < n_split; s += blockDim.x) {
         const float m = part_ml[((size_t)s * n_head + h) * 2];
         const float c = m == -INFINITY ? 0.0f : __expf(m - mx);
         weight[s] = c;
@@ -254,8 +257,13 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     }
     sum = block_sum(sum);  // its barrier also publishes `weight`
     float acc = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < n_split; ++s) acc += weight[s] * part_o[((size_t)s * n_head + h) * d_head + d];
+#pragma unroll 4
+    for (int s = g; s < n_split; s += SPLIT_GROUPS) acc += weight[s] * part_o[((size_t)s * n_head + h) * d_head + d];
+    if (g > 0) group_sum[g - 1][d] = acc;
+    __syncthreads();
+    if (g > 0) return;
+#pragma unroll
+    for (int k = 0; k < SPLIT_GROUPS - 1; ++k) acc += group_sum[k][d];
     const float v = acc / sum;
     const int i = h * d_head + d;
     if (out) out[i] = v;

@@ -284,7 +284,8 @@ pub fn attention_combine_into(
         "attention_combine: shapes",
     )?;
     let f = dev.function("attention", "attn_combine")?;
-    let cfg = blocks(s.n_head, s.head_dim as u32);
+    // SPLIT_GROUPS (4) threads per dimension (attention.cu).
+    let cfg = blocks(s.n_head, 4 * s.head_dim as u32);
     let (nh, d, ns, null) = (s.n_head as i32, s.head_dim as i32, n_split as i32, 0u64);
     // SAFETY: n_split x n_head x head_dim partials (checked by attention_decode's sizes);
     // n_head x head_dim quantized outputs (checked above).
