@@ -190,11 +190,8 @@ __device__ __forceinline__ void mmvq_float(int blk_id, const uint8_t* __restrict
 // which is what held the one-warp-per-row kernels to 1.5 TB/s on 4096 x 4096. Rows per block
 // (R) as measured on the H200 (docs/cuda.md): 8 for Q4_K and Q6_K, 2 for Q8_0.
 
-// Q4_K unit j (0..7) of a block: the 16 bytes of nibbles at 16j, whose low nibbles are
-// weights 16f..16f+15 of sub-block 2c and high nibbles the same of sub-block 2c + 1
-// (c = j / 2, f = j % 2). The mins go to the f = 0 unit of each pair, which adds them for
-// the whole 32 of both sub-blocks (the activations' sums per 32 are at hand).
-// scale_min_k4 on the 12 scale bytes held as three words.
+// scale_min_k4 on the 12 scale bytes held as three words (a byte array in registers
+// would go to local memory).
 __device__ __forceinline__ void scale_min_k4_words(int j, uint32_t y, uint32_t z, uint32_t w, int& s, int& m) {
     const int b = 8 * (j % 4);
     const int qy = (y >> b) & 0xff, qz = (z >> b) & 0xff, qw = (w >> b) & 0xff;
@@ -202,6 +199,10 @@ __device__ __forceinline__ void scale_min_k4_words(int j, uint32_t y, uint32_t z
     m = j < 4 ? qz & 63 : (qw >> 4) | ((qz >> 6) << 4);
 }
 
+// Q4_K unit j (0..7) of a block: the 16 bytes of nibbles at 16j, whose low nibbles are
+// weights 16f..16f+15 of sub-block 2c and high nibbles the same of sub-block 2c + 1
+// (c = j / 2, f = j % 2). The mins go to the f = 0 unit of each pair, which adds them for
+// the whole 32 of both sub-blocks (the activations' sums per 32 are at hand).
 struct CoopQ4K {
     int4 q;
     float d_lo, d_hi, m_lo, m_hi;
@@ -405,10 +406,9 @@ MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
 // (t, k) row of its own (down: `per_slot` 1); its output is the (t, k) row of Y.
 #define MMVQ_MOE(name, FN)                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
-        name(const uint8_t* __restrict__ W, long long stride,                                                       \
-                                    const int* __restrict__ ids, int n_used, const int8_t* __restrict__ XQ,         \
-                                    const float* __restrict__ XD, const float* __restrict__ XS,                     \
-                                    float* __restrict__ Y, int ncols, int nrows, int per_slot) {                    \
+        name(const uint8_t* __restrict__ W, long long stride, const int* __restrict__ ids, int n_used,              \
+             const int8_t* __restrict__ XQ, const float* __restrict__ XD, const float* __restrict__ XS,             \
+             float* __restrict__ Y, int ncols, int nrows, int per_slot) {                                           \
         PDL_WAIT();                                                                                                 \
         const int k = blockIdx.y, t = blockIdx.z;                                                                   \
         const size_t slot = (size_t)t * n_used + k;                                                                 \
@@ -441,8 +441,8 @@ MMVQ_MOE(mmvq_moe_bf16, mmvq_float<T_BF16>)
 // sum of squares itself (the row is a few KiB in L2), so no block waits for another, and
 // x_out is a different buffer from x so that no block reads what another has written.
 // The sum of squares reads float4s in an unrolled loop, so that a thread's loads are in
-// flight together: one at a time, the L2 latencies in a row made this kernel 6 us of a
-// decode step's 3 (measured by leaving it out of the graph, docs/cuda.md).
+// flight together: one at a time, their L2 latencies in a row made each launch 6 us, 0.39
+// of a 3.05 ms decode step (measured by leaving it out of the graph, docs/cuda.md).
 extern "C" __global__ void add_norm_quantize(const float* __restrict__ x, const float* __restrict__ o,
                                              float* __restrict__ x_out, const float* __restrict__ w,
                                              int8_t* __restrict__ q, float* __restrict__ d,

@@ -1331,6 +1331,52 @@ mod tests {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
+    /// Sampling on the device against the host sampler on the same GPU's logits: 32 steps
+    /// with llama.cpp's default filters, penalties and a bias, the same seed: the same
+    /// tokens, so the device follows the sampler's rules and its use of random numbers.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
+    fn gpu_sampled_generation_matches_host_sampling() {
+        use crate::sampler::SamplerConfig;
+        for path in test_models() {
+            let model = Model::load(std::path::Path::new(&path)).unwrap();
+            let prompt = model
+                .tokenizer
+                .encode("Once upon a time", true, true)
+                .unwrap();
+            let mut config = SamplerConfig {
+                repeat_penalty: 1.3,
+                frequency_penalty: 0.1,
+                seed: 7,
+                ..SamplerConfig::default()
+            };
+            config.logit_bias.insert(prompt[prompt.len() - 1], -1.5);
+            let mut gpu = GpuDecoder::new(0, &model.decoder, 128).unwrap();
+            let mut runs = Vec::new();
+            for on_device in [true, false] {
+                gpu.reset();
+                let mut sampler = Sampler::new(config.clone()).unwrap();
+                prompt.iter().for_each(|&t| sampler.accept(t));
+                let logits = gpu.forward(&prompt, LogitRows::Last).unwrap();
+                let mut next = sampler.sample(&logits);
+                let mut out = Vec::new();
+                for _ in 0..32 {
+                    sampler.accept(next);
+                    out.push(next);
+                    next = if on_device {
+                        gpu.forward_sample(next, &mut sampler).unwrap()
+                    } else {
+                        let logits = gpu.forward(&[next], LogitRows::Last).unwrap();
+                        sampler.sample(&logits)
+                    };
+                }
+                runs.push(out);
+            }
+            assert_eq!(runs[0], runs[1], "{path}: device vs host sampling");
+            eprintln!("{path}: 32 sampled tokens, device and host sampling agree");
+        }
+    }
+
     /// A model and context larger than the GPU's free memory is refused before anything is
     /// allocated, with the sizes and the way out named; a token outside the vocabulary and
     /// a full context are errors, not crashes.

@@ -18,8 +18,8 @@ pub fn regrouped(ty: GgmlType, ncols: usize) -> bool {
     matches!(ty, GgmlType::Q8_0 | GgmlType::Q6K) && ncols % (8 * ty.block_size()) == 0
 }
 
-/// The kernels' id of weights of `ty` in rows of `ncols` (`T_*` in quant_blocks.cuh); `None`
-/// for a type without kernels.
+/// The kernels' id of weights of `ty` in rows of `ncols` (`T_*` in quant_blocks.cuh: the
+/// ggml id, plus 100 for a regrouped layout); `None` for a type without kernels.
 pub fn device_type_id(ty: GgmlType, ncols: usize) -> Option<i32> {
     if !supported(ty) {
         return None;
@@ -214,7 +214,7 @@ impl DeviceActs {
 }
 
 /// `y[t][r] = w[r] . x[t]` for `ntok` tokens: `w` is `nrows` rows of `ncols` weights of
-/// type `ty` (16-byte aligned, as device allocations are), `x` holds `ntok x ncols`
+/// type `ty` as [`upload_weights`] lays them out (16-byte aligned), `x` holds `ntok x ncols`
 /// quantized activations, `y` is `ntok x nrows` f32.
 #[allow(clippy::too_many_arguments)]
 pub fn mmvq(
