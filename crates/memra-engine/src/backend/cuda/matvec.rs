@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use memra_gguf::GgmlType;
 
-use super::ops::grid_1d;
+use super::ops::{blocks, grid_1d};
 use super::{CudaDevice, CudaError};
 
 /// Tokens one call handles (the kernels keep one accumulator per token in registers).
@@ -60,11 +60,7 @@ pub fn upload_weights(
                 dev.stream
                     .launch_builder(&f)
                     .arg(&mut part)
-                    .launch(LaunchConfig {
-                        grid_dim: (n as u32, 1, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    })?;
+                    .launch(blocks(n, 128))?;
             }
         }
     }

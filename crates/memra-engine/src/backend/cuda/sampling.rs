@@ -2,7 +2,7 @@
 //! back: the greedy pick, and sampling as [`Sampler::sample`] does it (bias, penalties,
 //! top-k, top-p, min-p, temperature, and a draw with the host generator's number).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::ops::{blocks, check, grid_1d};
 use super::{CudaDevice, CudaError};
@@ -171,11 +171,7 @@ impl DeviceSampler {
         let first = dev.function("sampling", "sample_candidates")?;
         let pick = dev.function("sampling", "sample_pick")?;
         let (n_i, k_i, blocks_i) = (n as i32, k as i32, n_blocks as i32);
-        let cfg = |grid: usize| LaunchConfig {
-            grid_dim: (grid as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = |grid: usize| blocks(grid, 1024);
         // SAFETY: n logits; n_blocks x k candidates and n_blocks counts (allocated above);
         // two outputs.
         unsafe {
