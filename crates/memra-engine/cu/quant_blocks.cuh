@@ -12,7 +12,7 @@
 // 8 blocks together (Q8_0: 8 scales, then 8 x 32 quants; Q6_K: 8 x 128 low bits, 8 x 64
 // high bits, 8 x 16 scales, 8 scales d), so that the quants are 16-byte aligned and the
 // matvec kernels read them with 16-byte loads. Same bytes, same size; rows must be whole
-// groups (`regroup_weights` in dequant.cu does it in place at upload).
+// groups (`regroup_q8_0` / `regroup_q6_k` in dequant.cu rewrite them in place at upload).
 #pragma once
 
 #include "common.cuh"
