@@ -1,12 +1,22 @@
-// Attention over the f16 KV cache: split-K flash decoding for one query token (with a
-// combine kernel that merges the splits and quantizes the result for the output
-// projection), and flash attention for prompt batches.
+// Attention over the paged f16 KV cache: split-K flash decoding for one query token of
+// each of several sequences (with a combine kernel that merges the splits and quantizes the
+// result for the output projection), and flash attention for prompt chunks of several
+// sequences.
 //
-// Layouts: the caches hold, per position, n_head_kv heads of D halves (K and V alike:
-// these kernels take dk == dv == D, one of 32, 64, 128, 256). Queries are f32, n_head x D
-// per token; query head h reads kv head h / (n_head / n_head_kv). A layer with a sliding
-// window of w positions lets the query at position p see positions p-w+1 .. p.
+// Layouts: the pool holds, per slot, n_head_kv heads of D halves (K and V alike: these
+// kernels take dk == dv == D, one of 32, 64, 128, 256). Sequence s keeps position j in slot
+// block_tables[s * max_blocks + j / B] * B + j % B, B = 1 << bs_log2 positions per block.
+// Queries are f32, n_head x D per token; query head h reads kv head h / (n_head /
+// n_head_kv). A layer with a sliding window of w positions lets the query at position p
+// see positions p-w+1 .. p.
 #include "common.cuh"
+
+#define MAX_SPLITS 128
+
+// The pool slot of position j of the sequence whose block table is `bt`.
+__device__ __forceinline__ size_t kv_slot(const int* __restrict__ bt, int j, int bs_log2) {
+    return ((size_t)bt[j >> bs_log2] << bs_log2) | (size_t)(j & ((1 << bs_log2) - 1));
+}
 
 // Per-lane share of a head: D / 32 values.
 template <int D> struct HeadSplit {
@@ -49,22 +59,33 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
 // with the lanes spread over the head's dimensions. The block's warps merge in shared
 // memory and write one partial result (max, sum, unnormalized output) per head and split.
 //
-// pos: device pointer to the query's position (keys 0..pos are in the cache), so a
-// captured graph replays with a new position without changes; n_split is a plain argument
-// a graph rewrites when the split count changes.
+// Sequence blockIdx.z's query sees its ctx_len positions (its own key included), read on
+// the device with its block table, so a captured graph replays with new ones without
+// changes; n_split is a plain argument a graph rewrites when the split count changes (a
+// short sequence's later splits are empty). Partials: MAX_SPLITS x n_head per sequence.
 template <int D>
 __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const __half* __restrict__ k_cache,
                                             const __half* __restrict__ v_cache, float* __restrict__ part_o,
-                                            float* __restrict__ part_ml, const int* __restrict__ pos,
+                                            float* __restrict__ part_ml, const int* __restrict__ ctx_len,
+                                            const int* __restrict__ block_tables, int max_blocks, int bs_log2,
                                             int n_head, int n_head_kv, int window, float scale, int n_split) {
     constexpr int E = HeadSplit<D>::per_lane;
-    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int kvh = blockIdx.x, split = blockIdx.y, seq = blockIdx.z;
     const int group = n_head / n_head_kv;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int n_kv = *pos + 1;
+    const int n_kv = ctx_len[seq];
+    const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
+    q += (size_t)seq * n_head * D;
+    part_o += (size_t)seq * MAX_SPLITS * n_head * D;
+    part_ml += (size_t)seq * MAX_SPLITS * n_head * 2;
     const int first = window > 0 ? max(0, n_kv - window) : 0;
-    const int per = (n_kv - first + n_split - 1) / n_split;
-    const int begin = first + split * per, end = min(n_kv, begin + per);
+    // Splits start at multiples of 32 positions (keys before `first` are masked), so a
+    // warp's step of 32 positions is whole 16-position blocks, or part of one larger block:
+    // its slots come from one or two table entries.
+    const int first_al = first & ~(WARP_SIZE - 1);
+    const int per = ((n_kv - first_al + n_split - 1) / n_split + WARP_SIZE - 1) & ~(WARP_SIZE - 1);
+    const int begin = first_al + split * per, end = min(n_kv, begin + per);
+    const int mask = (1 << bs_log2) - 1;
 
     __shared__ float qs[MAX_GROUP][D];
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
@@ -87,13 +108,20 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     constexpr int VW = E <= 2 ? 1 : 2;  // 32-bit words per lane per value row
     for (int base = begin + warp * WARP_SIZE; base < end; base += DECODE_WARPS * WARP_SIZE) {
         const int key = base + lane;
-        const bool valid = key < end;
+        const bool valid = key < end && key >= first;
+        // Position base + j (j < 32) is in block base / B + j / 16 when blocks hold B = 16
+        // positions, else in block base / B: one or two uniform table loads per step.
+        const int b0 = base >> bs_log2;
+        const int t0 = bt[b0];
+        const int t1 = (bs_log2 == 4 && base + 16 < end) ? bt[b0 + 1] : t0;
+#define STEP_SLOT(j) \
+    ((((size_t)((bs_log2 == 4 && (j) >= 16) ? t1 : t0)) << bs_log2) | (size_t)((base + (j)) & mask))
         uint32_t vraw[PREFETCH_V ? WARP_SIZE : 1][VW];
         if constexpr (PREFETCH_V) {
 #pragma unroll
             for (int j = 0; j < WARP_SIZE; ++j) {
-                const __half* vp = v_cache + (size_t)(base + j) * row + (size_t)kvh * D + lane * E;
                 const bool in = base + j < end;
+                const __half* vp = v_cache + STEP_SLOT(j) * row + (size_t)kvh * D + lane * E;
                 if (E == 4) {
                     const uint2 u = in ? *(const uint2*)vp : make_uint2(0, 0);
                     vraw[j][0] = u.x;
@@ -109,7 +137,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; ++g) s[g] = 0.0f;
         if (valid) {
-            const __half* kr = k_cache + key * row + (size_t)kvh * D;
+            const __half* kr = k_cache + STEP_SLOT(lane) * row + (size_t)kvh * D;
             // Unrolled so that a lane's loads of its key row are in flight together.
 #pragma unroll 8
             for (int d = 0; d < D; d += 8) {
@@ -168,7 +196,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
 #pragma unroll 8
             for (int j = 0; j < n_valid; ++j) {
                 float vv[E];
-                load_halves<E>(v_cache + (size_t)(base + j) * row + (size_t)kvh * D + lane * E, vv);
+                load_halves<E>(v_cache + STEP_SLOT(j) * row + (size_t)kvh * D + lane * E, vv);
 #pragma unroll
                 for (int g = 0; g < MAX_GROUP; ++g) {
                     if (g >= group) break;
@@ -180,6 +208,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
         }
     }
 
+#undef STEP_SLOT
     // Merge the warps: each writes its state, warp 0 combines.
     __shared__ float sm[DECODE_WARPS][MAX_GROUP][2];
     __shared__ float so[DECODE_WARPS][MAX_GROUP][D];
@@ -217,10 +246,12 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     extern "C" __global__ void __launch_bounds__(DECODE_WARPS * WARP_SIZE)                                          \
         attn_decode_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                           \
                          const __half* __restrict__ v_cache, float* __restrict__ part_o,                            \
-                         float* __restrict__ part_ml, const int* __restrict__ pos, int n_head, int n_head_kv,       \
-                         int window, float scale, int n_split) {                                                    \
+                         float* __restrict__ part_ml, const int* __restrict__ ctx_len,                              \
+                         const int* __restrict__ block_tables, int max_blocks, int bs_log2, int n_head,             \
+                         int n_head_kv, int window, float scale, int n_split) {                                     \
         PDL_WAIT();                                                                                                 \
-        attn_decode<D>(q, k_cache, v_cache, part_o, part_ml, pos, n_head, n_head_kv, window, scale, n_split);       \
+        attn_decode<D>(q, k_cache, v_cache, part_o, part_ml, ctx_len, block_tables, max_blocks, bs_log2, n_head,    \
+                       n_head_kv, window, scale, n_split);                                                          \
     }
 
 ATTN_DECODE(32)
@@ -228,14 +259,13 @@ ATTN_DECODE(64)
 ATTN_DECODE(128)
 ATTN_DECODE(256)
 
-// Merges the splits of each head into the attention output; writes it as f32 (`out`, may
-// be null) and quantized to int8 per 32 for the output projection's matvec (`xq`, `xd`,
-// `xs`, may be null), as quantize_act_q8 does. One block of D x SPLIT_GROUPS threads per
-// head: the split weights are computed once per block, in parallel; thread (d, g) sums
+// Merges the splits of each head (blockIdx.x) of each sequence (blockIdx.y) into the
+// attention output, row blockIdx.y; writes it as f32 (`out`, may be null) and quantized to
+// int8 per 32 for the output projection's matvec (`xq`, `xd`, `xs`, may be null), as
+// quantize_act_q8 does. One block of D x SPLIT_GROUPS threads per head: the split weights are computed once per block, in parallel; thread (d, g) sums
 // dimension d over the splits g, g + SPLIT_GROUPS, ... with its loads in flight together,
 // and the groups meet in shared memory. (A serial loop over 64 splits, waiting on each
 // load, had cost more than the attention itself at long contexts.)
-#define MAX_SPLITS 64
 #define SPLIT_GROUPS 4
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
@@ -244,7 +274,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     PDL_WAIT();
     __shared__ float weight[MAX_SPLITS];
     __shared__ float group_sum[SPLIT_GROUPS - 1][256];
-    const int h = blockIdx.x, d = threadIdx.x % d_head, g = threadIdx.x / d_head;
+    const int h = blockIdx.x, d = threadIdx.x % d_head, g = threadIdx.x / d_head, seq = blockIdx.y;
+    part_o += (size_t)seq * MAX_SPLITS * n_head * d_head;
+    part_ml += (size_t)seq * MAX_SPLITS * n_head * 2;
     float mx = -INFINITY;
     for (int s = threadIdx.x; s < n_split; s += blockDim.x) mx = fmaxf(mx, part_ml[((size_t)s * n_head + h) * 2]);
     mx = block_max(mx);
@@ -265,7 +297,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
 #pragma unroll
     for (int k = 0; k < SPLIT_GROUPS - 1; ++k) acc += group_sum[k][d];
     const float v = acc / sum;
-    const int i = h * d_head + d;
+    const int i = (seq * n_head + h) * d_head + d;
     if (out) out[i] = v;
     if (xq) quantize_warp_block(v, i, true, xq, xd, xs);
 }
@@ -274,16 +306,18 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
 // PREFILL_WARPS * 4 tokens, query head); each warp owns 4 queries. Key/value tiles of 32
 // positions go through shared memory; each lane scores one key of the tile for the warp's
 // queries, then the lanes spread over the dimensions to accumulate the values.
-// Query t (0..n_q-1) sits at position *pos + t; the keys of the batch are already in the
-// cache. Output: f16, n_q x n_head x D, the output projection's GEMM input.
+// Sequence blockIdx.z has queries q_start[s] .. q_start[s+1]-1 of the batch, at its last
+// positions (its context holds ctx_len[s], the batch's keys already in the pool). Output:
+// f16, one row of n_head x D per query, the output projection's GEMM input.
 #define PREFILL_WARPS 8
 #define Q_PER_WARP 4
 
 template <int D>
 __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const __half* __restrict__ k_cache,
                                              const __half* __restrict__ v_cache, __half* __restrict__ out,
-                                             const int* __restrict__ pos, int n_q, int n_head, int n_head_kv,
-                                             int window, float scale) {
+                                             const int* __restrict__ q_start, const int* __restrict__ ctx_len,
+                                             const int* __restrict__ block_tables, int max_blocks, int bs_log2,
+                                             int n_head, int n_head_kv, int window, float scale) {
     constexpr int E = HeadSplit<D>::per_lane;
     constexpr int QT = PREFILL_WARPS * Q_PER_WARP;
     constexpr int KROW = D / 2 + 1;  // K rows padded by a word: lanes reading rows hit distinct banks
@@ -292,10 +326,15 @@ __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const 
     __half2* ks = (__half2*)(qs + QT * D);                       // 32 x KROW
     __half2* vs = ks + 32 * KROW;                                // 32 x D/2
 
-    const int h = blockIdx.y, kvh = h / (n_head / n_head_kv);
+    const int h = blockIdx.y, kvh = h / (n_head / n_head_kv), seq = blockIdx.z;
     const int t0 = blockIdx.x * QT;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int p0 = *pos;
+    const int n_q = q_start[seq + 1] - q_start[seq];
+    if (t0 >= n_q) return;  // the grid covers the longest sequence of the batch
+    q += (size_t)q_start[seq] * n_head * D;
+    out += (size_t)q_start[seq] * n_head * D;
+    const int p0 = ctx_len[seq] - n_q;
+    const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
     for (int i = threadIdx.x; i < QT * D; i += blockDim.x) {
         const int t = t0 + i / D;
         qs[i] = t < n_q ? q[((size_t)t * n_head + h) * D + i % D] * scale : 0.0f;
@@ -314,15 +353,23 @@ __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const 
         for (int e = 0; e < E; ++e) o[i][e] = 0.0f;
     }
     const size_t row = (size_t)n_head_kv * D;
+    __shared__ int tile_slot[32];
     for (int kb = k_begin - k_begin % 32; kb < k_end; kb += 32) {
+        __syncthreads();
+        // The tile's 32 slots, looked up once for all the block's loads.
+        if (threadIdx.x < 32) {
+            const int key = kb + threadIdx.x;
+            tile_slot[threadIdx.x] = key < k_end ? (int)kv_slot(bt, key, bs_log2) : 0;
+        }
         __syncthreads();
         for (int i = threadIdx.x; i < 32 * D / 2; i += blockDim.x) {
             const int j = i / (D / 2), c = i % (D / 2);
             const int key = kb + j;
             __half2 kv = __float2half2_rn(0.0f), vv = kv;
             if (key < k_end) {
-                kv = ((const __half2*)(k_cache + key * row + (size_t)kvh * D))[c];
-                vv = ((const __half2*)(v_cache + key * row + (size_t)kvh * D))[c];
+                const size_t at = (size_t)tile_slot[j] * row + (size_t)kvh * D;
+                kv = ((const __half2*)(k_cache + at))[c];
+                vv = ((const __half2*)(v_cache + at))[c];
             }
             ks[j * KROW + c] = kv;
             vs[j * (D / 2) + c] = vv;
@@ -394,10 +441,12 @@ __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const 
     extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * WARP_SIZE)                                         \
         attn_prefill_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                          \
                           const __half* __restrict__ v_cache, __half* __restrict__ out,                             \
-                          const int* __restrict__ pos, int n_q, int n_head, int n_head_kv, int window,              \
-                          float scale) {                                                                            \
+                          const int* __restrict__ q_start, const int* __restrict__ ctx_len,                         \
+                          const int* __restrict__ block_tables, int max_blocks, int bs_log2, int n_head,            \
+                          int n_head_kv, int window, float scale) {                                                 \
         PDL_WAIT();                                                                                                 \
-        attn_prefill<D>(q, k_cache, v_cache, out, pos, n_q, n_head, n_head_kv, window, scale);                      \
+        attn_prefill<D>(q, k_cache, v_cache, out, q_start, ctx_len, block_tables, max_blocks, bs_log2, n_head,      \
+                        n_head_kv, window, scale);                                                                  \
     }
 
 ATTN_PREFILL(32)

@@ -17,24 +17,27 @@ __device__ __forceinline__ void rotate(const float* src, int i, int half, int n_
 
 // RoPE on q (n_head heads per token, in place) and k (n_head_kv heads, written rotated
 // into the f16 cache), and v copied into the cache: one launch instead of two RoPEs and two
-// copies. Token t of the batch (blockIdx.y) sits at position *pos + t: the position is
-// read on the device so that a captured decode graph replays with a new one. One thread
-// per rotation pair, per passed-through k element and per v element.
+// copies. Token t of the batch (blockIdx.y) sits at position pos[t] and writes cache row
+// slot[t] (its sequence's block and offset in the paged pool); both are read on the device
+// so that a captured decode graph replays with new ones. One thread per rotation pair, per
+// passed-through k element and per v element.
 extern "C" __global__ void rope_qk_append(float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, __half* __restrict__ k_cache,
                                           __half* __restrict__ v_cache, int n_head, int n_head_kv, int head_dim,
-                                          int dv, int n_dims, const int* __restrict__ pos, float base,
+                                          int dv, int n_dims, const int* __restrict__ pos,
+                                          const int* __restrict__ slot, float base,
                                           float freq_scale, const float* __restrict__ freq_factors, int halves) {
     PDL_WAIT();
     const int half = n_dims / 2;
     const int q_pairs = n_head * half, k_pairs = n_head_kv * half;
     const int k_rest = n_head_kv * (head_dim - n_dims), v_n = n_head_kv * dv;
-    const int t = blockIdx.y, p = *pos + t;
+    const int t = blockIdx.y, p = pos[t];
+    const size_t cache_row = (size_t)slot[t];
     q += (size_t)t * n_head * head_dim;
     k += (size_t)t * n_head_kv * head_dim;
     v += (size_t)t * v_n;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    __half* k_row = k_cache + (size_t)p * n_head_kv * head_dim;
+    __half* k_row = k_cache + cache_row * n_head_kv * head_dim;
     if (idx < q_pairs) {
         float* qh = q + (size_t)(idx / half) * head_dim;
         float a, b;
@@ -62,6 +65,6 @@ extern "C" __global__ void rope_qk_append(float* __restrict__ q, const float* __
     }
     idx -= k_rest;
     if (idx < v_n) {
-        v_cache[(size_t)p * v_n + idx] = __float2half(v[idx]);
+        v_cache[cache_row * v_n + idx] = __float2half(v[idx]);
     }
 }

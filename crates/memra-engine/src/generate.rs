@@ -1,13 +1,13 @@
-//! Text generation and perplexity on a loaded model: the loops `memra run`, `memra chat`
-//! and `memra perplexity` drive.
+//! One model with one context: the [`Runner`] API (`memra bench`, the model tests), the
+//! statistics of a generation, and llama.cpp's perplexity method (its chunks, its sums,
+//! and a runner loop). Generation for users goes through the serving engine (`engine`).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::backend::cuda::decoder::GpuDecoder;
 use crate::backend::cuda::CudaError;
 use crate::models::{Decoder, KvCache, LogitRows, Model, ModelError};
 use crate::sampler::{Sampler, SamplerConfig, SamplerError};
-use crate::tokenizer::IncrementalDecoder;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
@@ -105,7 +105,7 @@ impl Runner for CpuRunner<'_> {
 }
 
 /// The GPU decoder: prompt batches through GEMMs, single tokens through a CUDA graph.
-impl Runner for GpuDecoder<'_> {
+impl Runner for GpuDecoder {
     fn n_ctx(&self) -> usize {
         GpuDecoder::n_ctx(self)
     }
@@ -155,116 +155,6 @@ pub struct GenerateStats {
     pub stop: StopReason,
 }
 
-/// Holds back text that may be the start of a stop string.
-struct StopFilter<'a> {
-    stops: &'a [String],
-    held: String,
-}
-
-impl StopFilter<'_> {
-    /// Adds text; returns what can be shown and whether a stop string was reached.
-    fn push(&mut self, text: &str) -> (String, bool) {
-        self.held.push_str(text);
-        if let Some(at) = self
-            .stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
-        {
-            let out = self.held[..at].to_string();
-            self.held.clear();
-            return (out, true);
-        }
-        // Keep the longest suffix that is a prefix of a stop string.
-        let keep = self
-            .stops
-            .iter()
-            .flat_map(|s| {
-                (1..s.len().min(self.held.len() + 1))
-                    .rev()
-                    .map(move |n| (s, n))
-            })
-            .filter(|(s, n)| s.is_char_boundary(*n) && self.held.ends_with(&s[..*n]))
-            .map(|(_, n)| n)
-            .max()
-            .unwrap_or(0);
-        let cut = self.held.len() - keep;
-        let out = self.held[..cut].to_string();
-        self.held.drain(..cut);
-        (out, false)
-    }
-}
-
-/// Feeds `prompt` (after what the runner holds) and samples up to `n_predict` tokens,
-/// giving each piece of text to `on_text` as soon as it is complete.
-pub fn generate(
-    model: &Model,
-    runner: &mut dyn Runner,
-    prompt: &[u32],
-    config: &GenerateConfig,
-    mut on_text: impl FnMut(&str),
-) -> Result<GenerateStats, GenerateError> {
-    if prompt.is_empty() {
-        return Err(GenerateError::EmptyPrompt);
-    }
-    if runner.len() + prompt.len() > runner.n_ctx() {
-        return Err(GenerateError::PromptTooLong {
-            prompt: runner.len() + prompt.len(),
-            n_ctx: runner.n_ctx(),
-        });
-    }
-    let mut sampler = Sampler::new(config.sampler.clone())?;
-    prompt.iter().for_each(|&t| sampler.accept(t));
-    let start = Instant::now();
-    let logits = runner.feed(prompt)?;
-    let prompt_time = start.elapsed();
-    let start = Instant::now();
-    let t = &model.tokenizer;
-    let mut decoder = IncrementalDecoder::new(t, false);
-    let mut filter = StopFilter {
-        stops: &config.stop,
-        held: String::new(),
-    };
-    let mut generated = Vec::new();
-    let mut stop = StopReason::Length;
-    let mut next = None;
-    while generated.len() < config.n_predict {
-        let id = next.take().unwrap_or_else(|| sampler.sample(&logits));
-        if t.is_end_of_generation(id) {
-            stop = StopReason::EndOfGeneration;
-            break;
-        }
-        sampler.accept(id);
-        generated.push(id);
-        let (text, hit) = filter.push(&decoder.push(id)?);
-        on_text(&text);
-        if hit {
-            stop = StopReason::StopString;
-            break;
-        }
-        if generated.len() == config.n_predict {
-            break;
-        }
-        if runner.len() >= runner.n_ctx() {
-            stop = StopReason::ContextFull;
-            break;
-        }
-        next = Some(runner.feed_sample(id, &mut sampler)?);
-    }
-    if stop != StopReason::StopString {
-        let (text, _) = filter.push(&decoder.finish());
-        on_text(&text);
-        on_text(&filter.held);
-    }
-    Ok(GenerateStats {
-        prompt_tokens: prompt.len(),
-        prompt_time,
-        generated,
-        generate_time: start.elapsed(),
-        stop,
-    })
-}
-
 /// Result of a perplexity run.
 #[derive(Clone, Debug)]
 pub struct Perplexity {
@@ -275,28 +165,19 @@ pub struct Perplexity {
     pub scored_tokens: usize,
 }
 
-/// llama.cpp's perplexity: tokenize the text whole (BOS first when the model uses one),
-/// cut it into chunks of `n_ctx` tokens, put BOS first in each chunk when the model uses
-/// one, and score every token of the second half of each chunk from all tokens before it.
-/// `progress(chunk, running_ppl)` is called after each chunk.
-pub fn perplexity(
+/// llama.cpp's perplexity chunks: the text tokenized whole (BOS first when the model uses
+/// one), cut into chunks of `n_ctx` tokens, BOS first in each chunk when the model uses
+/// one. Every token of a chunk's second half is scored from all tokens before it.
+pub fn perplexity_chunks(
     model: &Model,
-    runner: &mut dyn Runner,
     text: &str,
     n_ctx: usize,
     max_chunks: Option<usize>,
-    mut progress: impl FnMut(usize, usize, f64),
-) -> Result<Perplexity, GenerateError> {
+) -> Result<Vec<Vec<u32>>, GenerateError> {
     if n_ctx < 8 {
         return Err(GenerateError::Invalid(
             "the context must hold at least 8 tokens".into(),
         ));
-    }
-    if runner.n_ctx() < n_ctx {
-        return Err(GenerateError::Invalid(format!(
-            "the runner holds {} positions, fewer than a chunk of {n_ctx}",
-            runner.n_ctx()
-        )));
     }
     let t = &model.tokenizer;
     let tokens = t.encode(text, true, false)?;
@@ -308,16 +189,78 @@ pub fn perplexity(
             tokens.len()
         )));
     }
-    let first = n_ctx / 2;
-    let n_vocab = t.n_vocab();
-    let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
-    for c in 0..n_chunks {
-        let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
-        if t.add_bos {
-            chunk[0] = t.bos.expect("checked at load");
+    Ok((0..n_chunks)
+        .map(|c| {
+            let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
+            if t.add_bos {
+                chunk[0] = t.bos.expect("checked at load");
+            }
+            chunk
+        })
+        .collect())
+}
+
+/// Running sums of negative log-likelihoods: the perplexity and llama.cpp's estimate of
+/// its standard error.
+#[derive(Clone, Debug, Default)]
+pub struct NllSum {
+    nll: f64,
+    nll2: f64,
+    count: usize,
+}
+
+impl NllSum {
+    pub fn add(&mut self, nll: f64) {
+        self.nll += nll;
+        self.nll2 += nll * nll;
+        self.count += 1;
+    }
+
+    pub fn ppl(&self) -> f64 {
+        (self.nll / self.count.max(1) as f64).exp()
+    }
+
+    pub fn result(&self, chunks: usize) -> Perplexity {
+        let mean = self.nll / self.count.max(1) as f64;
+        let ppl = mean.exp();
+        let var = self.nll2 / self.count.max(1) as f64 - mean * mean;
+        let stderr = if var > 0.0 && self.count > 1 {
+            (var / (self.count - 1) as f64).sqrt() * ppl
+        } else {
+            0.0
+        };
+        Perplexity {
+            ppl,
+            stderr,
+            chunks,
+            scored_tokens: self.count,
         }
+    }
+}
+
+/// llama.cpp's perplexity ([`perplexity_chunks`]) on a runner, one chunk at a time.
+/// `progress(chunk, chunks, running_ppl)` is called after each chunk.
+pub fn perplexity(
+    model: &Model,
+    runner: &mut dyn Runner,
+    text: &str,
+    n_ctx: usize,
+    max_chunks: Option<usize>,
+    mut progress: impl FnMut(usize, usize, f64),
+) -> Result<Perplexity, GenerateError> {
+    if runner.n_ctx() < n_ctx {
+        return Err(GenerateError::Invalid(format!(
+            "the runner holds {} positions, fewer than a chunk of {n_ctx}",
+            runner.n_ctx()
+        )));
+    }
+    let chunks = perplexity_chunks(model, text, n_ctx, max_chunks)?;
+    let first = n_ctx / 2;
+    let n_vocab = model.tokenizer.n_vocab();
+    let mut sum = NllSum::default();
+    for (c, chunk) in chunks.iter().enumerate() {
         runner.reset();
-        let logits = runner.feed_rows(&chunk, LogitRows::From(first))?;
+        let logits = runner.feed_rows(chunk, LogitRows::From(first))?;
         for j in first..n_ctx - 1 {
             let row = &logits[(j - first) * n_vocab..(j - first + 1) * n_vocab];
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -327,49 +270,9 @@ pub fn perplexity(
                     .map(|&v| f64::from(v - max).exp())
                     .sum::<f64>()
                     .ln();
-            let v = lse - f64::from(row[chunk[j + 1] as usize]);
-            nll += v;
-            nll2 += v * v;
-            count += 1;
+            sum.add(lse - f64::from(row[chunk[j + 1] as usize]));
         }
-        progress(c + 1, n_chunks, (nll / count as f64).exp());
+        progress(c + 1, chunks.len(), sum.ppl());
     }
-    let mean = nll / count as f64;
-    let ppl = mean.exp();
-    let var = nll2 / count as f64 - mean * mean;
-    let stderr = if var > 0.0 && count > 1 {
-        (var / (count - 1) as f64).sqrt() * ppl
-    } else {
-        0.0
-    };
-    Ok(Perplexity {
-        ppl,
-        stderr,
-        chunks: n_chunks,
-        scored_tokens: count,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stop_filter_holds_back_possible_stop_prefixes() {
-        let stops = vec!["</s>".to_string(), "\n\n".to_string()];
-        let mut f = StopFilter {
-            stops: &stops,
-            held: String::new(),
-        };
-        assert_eq!(f.push("Hello <"), ("Hello ".to_string(), false));
-        assert_eq!(f.push("/"), (String::new(), false));
-        assert_eq!(f.push("x>"), ("</x>".to_string(), false));
-        assert_eq!(f.push("a\n"), ("a".to_string(), false));
-        assert_eq!(f.push("\nmore"), (String::new(), true));
-        let mut f = StopFilter {
-            stops: &stops,
-            held: String::new(),
-        };
-        assert_eq!(f.push("ab</s>cd"), ("ab".to_string(), true));
-    }
+    Ok(sum.result(chunks.len()))
 }

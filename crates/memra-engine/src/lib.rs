@@ -1,9 +1,15 @@
 //! memra-engine: the model runtime: tokenizers and chat templates, model architectures,
-//! the CPU backend, sampling, generation and perplexity, and model synthesis for benchmarks.
+//! the CPU backend, the serving engine (paged KV, scheduler, batches), sampling, generation
+//! and perplexity, and model synthesis for benchmarks.
 
 pub mod backend;
+pub mod batch;
+pub mod engine;
 pub mod generate;
+pub mod kv;
 pub mod models;
 pub mod sampler;
+pub mod scheduler;
+pub mod stop;
 pub mod synth;
 pub mod tokenizer;

@@ -1,6 +1,6 @@
 //! `memra run`, `memra chat` and `memra perplexity`: generation and scoring on a model.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,12 +8,18 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use memra_engine::backend::cuda::decoder::GpuDecoder;
-use memra_engine::generate::{
-    generate, perplexity, CpuRunner, GenerateConfig, GenerateStats, Runner,
+use memra_engine::backend::cuda::decoder::{GpuDecoder, PoolSize};
+use memra_engine::engine::{
+    BatchRunner, CpuBatchRunner, Engine, EngineConfig, Event, FinishReason, GenerationParams,
+    GpuBatchRunner, Request,
 };
+use memra_engine::generate::{
+    perplexity_chunks, CpuRunner, GenerateConfig, GenerateStats, NllSum, Runner, StopReason,
+};
+use memra_engine::kv::DEFAULT_BLOCK_SIZE;
 use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
+use memra_engine::scheduler::SchedulerConfig;
 use memra_engine::tokenizer::template::{ChatInput, ChatTemplate};
 use memra_gguf::GgufFile;
 
@@ -26,7 +32,7 @@ pub enum Device {
 }
 
 /// Options every model command takes.
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
     /// The GGUF model file.
     #[arg(short, long)]
@@ -41,6 +47,18 @@ pub struct ModelArgs {
     /// Context size in tokens (default: 4096, or the model's training context if smaller).
     #[arg(short = 'c', long = "ctx-size")]
     pub ctx: Option<usize>,
+    /// Positions of KV cache in the pool (default: the context times the sequences that
+    /// run at once).
+    #[arg(long)]
+    pub kv_tokens: Option<usize>,
+    /// GPU: the fraction of the memory left after weights and buffers the KV pool takes
+    /// (default 0.9 when serving or batching; one context's worth for run, chat and
+    /// perplexity).
+    #[arg(long)]
+    pub kv_memory: Option<f64>,
+    /// Tokens computed per engine step at most: decodes first, then prompt chunks.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
+    pub batch_size: usize,
 }
 
 impl ModelArgs {
@@ -177,10 +195,14 @@ pub fn runner<'m>(
     })
 }
 
-fn report(stats: &GenerateStats) {
+fn report(stats: &GenerateStats, cached: Option<usize>) {
     let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
+    let cached = match cached {
+        Some(c) if c > 0 => format!(" ({c} from the prefix cache)"),
+        _ => String::new(),
+    };
     eprintln!(
-        "\nprompt: {} tokens in {:.2} s ({:.1} t/s); generated: {} tokens in {:.2} s ({:.1} t/s); stop: {:?}",
+        "\nprompt: {} tokens{cached} in {:.2} s ({:.1} t/s); generated: {} tokens in {:.2} s ({:.1} t/s); stop: {:?}",
         stats.prompt_tokens,
         stats.prompt_time.as_secs_f64(),
         rate(stats.prompt_tokens, stats.prompt_time),
@@ -195,6 +217,157 @@ fn print_flush(text: &str) {
     let mut out = std::io::stdout().lock();
     // A closed stdout (a pipe to `head`) ends the output, not the program with a panic.
     let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+}
+
+/// Ends the output with a newline on a terminal only: piped, stdout is exactly the text.
+fn end_output() {
+    if std::io::stdout().is_terminal() {
+        print_flush("\n");
+    }
+}
+
+/// How large a KV pool an engine takes when neither --kv-tokens nor --kv-memory says.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DefaultPool {
+    /// Room for every sequence's whole context (`memra run`, `chat`, `perplexity`).
+    Contexts,
+    /// On a GPU, this fraction of the memory left after weights and buffers (serving and
+    /// `bench --batched`, as vLLM does); on the CPU, every sequence's context.
+    GpuFraction(f64),
+}
+
+/// The serving engine on the chosen device for `parallel` sequences of up to `n_ctx`
+/// positions; says on stderr what its KV pool holds.
+pub fn start_engine(
+    args: &ModelArgs,
+    model: Arc<Model>,
+    n_ctx: usize,
+    parallel: usize,
+    pool: DefaultPool,
+) -> Result<Engine> {
+    if parallel == 0 {
+        bail!("--parallel must be at least 1");
+    }
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let contexts = n_ctx * parallel;
+    let runner: Box<dyn BatchRunner> = match args.device() {
+        Device::Cpu => {
+            let kv_tokens = args.kv_tokens.unwrap_or(contexts);
+            Box::new(CpuBatchRunner::new(
+                model.clone(),
+                kv_tokens,
+                DEFAULT_BLOCK_SIZE,
+            ))
+        }
+        Device::Cuda => {
+            let size = match (args.kv_tokens, args.kv_memory, pool) {
+                (Some(t), _, _) => PoolSize::Tokens(t),
+                (None, Some(f), _) => PoolSize::MemoryFraction(f),
+                (None, None, DefaultPool::GpuFraction(f)) => PoolSize::MemoryFraction(f),
+                (None, None, DefaultPool::Contexts) => PoolSize::Tokens(contexts),
+            };
+            if let PoolSize::MemoryFraction(f) = size {
+                if !(f > 0.0 && f <= 1.0) {
+                    bail!("--kv-memory must be a fraction in (0, 1]");
+                }
+            }
+            let gpu = GpuDecoder::with_pool(0, &model.decoder, n_ctx, size)?;
+            Box::new(GpuBatchRunner::new(gpu))
+        }
+    };
+    let engine = Engine::start(
+        model,
+        runner,
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running: parallel,
+                token_budget: args.batch_size,
+            },
+            n_ctx,
+        },
+    );
+    eprintln!("{}", engine.info().pool);
+    Ok(engine)
+}
+
+/// Generates through the engine, giving each piece of text to `on_text` as it comes;
+/// returns the statistics and the prompt tokens taken from the prefix cache.
+fn engine_generate(
+    engine: &Engine,
+    prompt: Vec<u32>,
+    config: &GenerateConfig,
+    mut on_text: impl FnMut(&str),
+) -> Result<(GenerateStats, usize)> {
+    let prompt_tokens = prompt.len();
+    let start = Instant::now();
+    let mut handle = engine.submit(Request {
+        prompt,
+        params: GenerationParams {
+            max_tokens: config.n_predict,
+            sampler: config.sampler.clone(),
+            stop: config.stop.clone(),
+            ..GenerationParams::default()
+        },
+    })?;
+    let mut prompt_time = None;
+    let mut generated = Vec::new();
+    loop {
+        match handle.next() {
+            Some(Event::Token(t)) => {
+                let now = start.elapsed();
+                prompt_time.get_or_insert(now);
+                generated.push(t.id);
+                on_text(&t.text);
+            }
+            Some(Event::Finished {
+                reason,
+                text,
+                usage,
+            }) => {
+                on_text(&text);
+                let total = start.elapsed();
+                let prompt_time = prompt_time.unwrap_or(total);
+                let stop = match reason {
+                    FinishReason::Length => StopReason::Length,
+                    FinishReason::EndOfGeneration => StopReason::EndOfGeneration,
+                    FinishReason::StopString => StopReason::StopString,
+                };
+                let stats = GenerateStats {
+                    prompt_tokens,
+                    prompt_time,
+                    generated,
+                    generate_time: total - prompt_time,
+                    stop,
+                };
+                return Ok((stats, usage.cached_tokens));
+            }
+            Some(Event::Error(e)) => bail!("{e}"),
+            Some(Event::PromptScores(_)) => {}
+            None => bail!("the engine has stopped"),
+        }
+    }
+}
+
+/// The prompt of `run`: `-p TEXT`, or `-f FILE` (`-f -`: standard input), verbatim.
+pub fn read_prompt(prompt: Option<&str>, file: Option<&Path>) -> Result<String> {
+    match (prompt, file) {
+        (Some(p), None) => Ok(p.to_string()),
+        (None, Some(f)) if f == Path::new("-") => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("cannot read the prompt from standard input")?;
+            Ok(text)
+        }
+        (None, Some(f)) => {
+            let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
+            String::from_utf8(bytes).with_context(|| format!("{} is not valid UTF-8", f.display()))
+        }
+        (Some(_), Some(_)) => bail!("give the prompt with -p or -f, not both"),
+        (None, None) => bail!("no prompt: give -p TEXT or -f FILE (-f - reads standard input)"),
+    }
 }
 
 pub fn run(
@@ -217,15 +390,21 @@ pub fn run(
             ids.len()
         );
     }
-    let mut runner = runner(args, &model, n_ctx)?;
     let config = GenerateConfig {
-        n_predict,
+        // The context bounds the generation (as in llama.cpp): stop when it is full.
+        n_predict: n_predict.min(n_ctx - ids.len()),
         stop: sampling.stop.clone(),
         sampler: sampling.config(),
     };
-    let stats = generate(&model, runner.as_mut(), &ids, &config, print_flush)?;
-    print_flush("\n");
-    report(&stats);
+    config.sampler.validate()?;
+    let engine = start_engine(args, Arc::new(model), n_ctx, 1, DefaultPool::Contexts)?;
+    let (stats, cached) = engine_generate(&engine, ids, &config, print_flush)?;
+    end_output();
+    let mut stats = stats;
+    if stats.stop == StopReason::Length && stats.generated.len() < n_predict {
+        stats.stop = StopReason::ContextFull;
+    }
+    report(&stats, Some(cached));
     Ok(())
 }
 
@@ -238,6 +417,7 @@ pub fn chat(
 ) -> Result<()> {
     let (model, n_ctx) = load(args)?;
     let template = ChatTemplate::select(&model.file.metadata, template)?;
+    let model = Arc::new(model);
     let t = &model.tokenizer;
     let token = |id: Option<u32>| id.and_then(|i| t.token_text(i)).unwrap_or("").to_string();
     let (bos, eos) = (token(t.bos), token(t.eos));
@@ -245,9 +425,7 @@ pub fn chat(
     if let Some(s) = system {
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
-    let mut runner = runner(args, &model, n_ctx)?;
-    // The prompt text already in the cache, to feed only what each turn adds.
-    let mut fed = String::new();
+    let engine = start_engine(args, model.clone(), n_ctx, 1, DefaultPool::Contexts)?;
     let stdin = std::io::stdin();
     eprintln!("chat with {} (type /exit to quit)", model.name);
     loop {
@@ -271,39 +449,29 @@ pub fn chat(
             bos_token: &bos,
             eos_token: &eos,
         })?;
-        // Feed only the new part when the rendering extends what the cache holds;
-        // otherwise start over.
-        let new_text = match prompt.strip_prefix(fed.as_str()) {
-            Some(rest) if !fed.is_empty() => rest.to_string(),
-            _ => {
-                runner.reset();
-                prompt.clone()
-            }
-        };
         // A template that writes the BOS text itself (Llama 3, Gemma) must not get a second
         // BOS from the tokenizer.
-        let add_bos = fed.is_empty() && (bos.is_empty() || !prompt.starts_with(&bos));
-        let ids = t.encode(&new_text, add_bos, true)?;
-        if runner.len() + ids.len() + 1 >= n_ctx {
+        let add_bos = bos.is_empty() || !prompt.starts_with(&bos);
+        // The whole conversation each turn: the blocks of earlier turns come from the
+        // prefix cache.
+        let ids = t.encode(&prompt, add_bos, true)?;
+        if ids.len() + 1 >= n_ctx {
             eprintln!("error: the conversation no longer fits the {n_ctx}-token context; start a new chat");
             messages.pop();
             continue;
         }
         let config = GenerateConfig {
-            n_predict,
+            n_predict: n_predict.min(n_ctx - ids.len()),
             stop: sampling.stop.clone(),
             sampler: sampling.config(),
         };
         let mut reply = String::new();
-        let stats = generate(&model, runner.as_mut(), &ids, &config, |s| {
+        let (stats, cached) = engine_generate(&engine, ids, &config, |s| {
             reply.push_str(s);
             print_flush(s);
         })?;
         print_flush("\n");
-        report(&stats);
-        // The reply's tokens are in the cache, the end-of-turn marker is not: re-render next
-        // time from the history, keeping the cache only if the rendering extends it.
-        fed = prompt + &reply;
+        report(&stats, Some(cached));
         messages.push(serde_json::json!({"role": "assistant", "content": reply}));
     }
     Ok(())
@@ -319,15 +487,44 @@ pub fn run_perplexity(args: &ModelArgs, file: &Path, chunks: Option<usize>) -> R
     }
     let n_ctx = args.ctx.unwrap_or(512);
     let (model, _) = load(args)?;
-    let mut r = runner(args, &model, n_ctx)?;
     let start = Instant::now();
-    let result = perplexity(&model, r.as_mut(), &text, n_ctx, chunks, |c, n, ppl| {
+    let progress = |c: usize, n: usize, ppl: f64| {
         eprintln!(
             "[{c}/{n}] {ppl:.4} ({:.1} s, {:.1} t/s)",
             start.elapsed().as_secs_f64(),
             (c * n_ctx) as f64 / start.elapsed().as_secs_f64()
         );
-    })?;
+    };
+    let model = Arc::new(model);
+    let chunks = perplexity_chunks(&model, &text, n_ctx, chunks)?;
+    let engine = start_engine(args, model, n_ctx, 1, DefaultPool::Contexts)?;
+    // Every chunk queued at once; each scores its second half.
+    let handles = chunks
+        .into_iter()
+        .map(|chunk| {
+            engine.submit(Request {
+                prompt: chunk,
+                params: GenerationParams {
+                    max_tokens: 0,
+                    score_from: Some(n_ctx / 2),
+                    ..GenerationParams::default()
+                },
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let n = handles.len();
+    let mut sum = NllSum::default();
+    for (c, handle) in handles.into_iter().enumerate() {
+        for event in handle {
+            match event {
+                Event::PromptScores(lp) => lp.iter().for_each(|&l| sum.add(-f64::from(l))),
+                Event::Error(e) => bail!("{e}"),
+                _ => {}
+            }
+        }
+        progress(c + 1, n, sum.ppl());
+    }
+    let result = sum.result(n);
     println!(
         "Final estimate: PPL = {:.4} +/- {:.5}",
         result.ppl, result.stderr

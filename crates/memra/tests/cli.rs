@@ -502,18 +502,51 @@ fn run_streams_the_completion_to_stdout() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        format!("{}\n", case["completion"].as_str().unwrap())
-    );
+    // Piped, stdout is exactly the generated text: no newline of ours after it.
+    let completion = case["completion"].as_str().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), completion);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("tiny-qwen3moe") && err.contains("t/s"),
         "{err}"
     );
 
-    // Same seed, same text; sampling at temperature 1.
+    // The prompt from a file, and from standard input (`-f -`): the same text.
     let m = model.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("memra-cli-prompt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("prompt.txt");
+    std::fs::write(&file, case["prompt"].as_str().unwrap()).unwrap();
+    let args = [
+        "run",
+        "-m",
+        m,
+        "-f",
+        file.to_str().unwrap(),
+        "-n",
+        &n,
+        "--temp",
+        "0",
+    ];
+    assert_eq!(String::from_utf8_lossy(&memra(&args).stdout), completion);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memra"))
+        .args(["run", "-m", m, "-f", "-", "-n", &n, "--temp", "0"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(case["prompt"].as_str().unwrap().as_bytes())
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), completion);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // Same seed, same text; sampling at temperature 1.
     let sample = |seed: &str| {
         memra(&[
             "run", "-m", m, "-p", "Hello", "-n", "16", "--temp", "1", "--seed", seed,
@@ -541,6 +574,12 @@ fn run_refuses_bad_requests_clearly() {
             "the context holds 32",
         ),
         (vec!["run", "-m", m, "-p", ""], "prompt is empty"),
+        (vec!["run", "-m", m], "no prompt"),
+        (vec!["run", "-m", m, "-p", "a", "-f", "x"], "not both"),
+        (
+            vec!["run", "-m", m, "-f", "/nonexistent/prompt"],
+            "cannot read",
+        ),
         (
             vec!["run", "-m", m, "-p", "hi", "-n", "0"],
             "-n must be at least 1",
@@ -564,7 +603,7 @@ fn run_refuses_bad_requests_clearly() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(msg), "{args:?}: {err}");
-        assert!(out.stdout.is_empty() || out.stdout == b"\n", "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -8,8 +8,19 @@ use rayon::prelude::*;
 
 use super::weights::{Linear, TensorSource};
 use super::ModelError;
+use crate::backend::cpu::kv::KvPool;
 use crate::backend::cpu::matmul::{matmul_with, ActFormat, QuantizedActs, WeightRows};
-use crate::backend::cpu::ops::{self, AttentionShape, Rope};
+use crate::backend::cpu::ops::{self, AttentionShape, PagedQuery, Rope};
+use crate::batch::ForwardBatch;
+use crate::kv::{BlockId, DEFAULT_BLOCK_SIZE};
+
+/// Where a batch's tokens write their keys and values, and where each reads its
+/// sequence's.
+struct KvLayout<'a> {
+    block_size: usize,
+    slots: &'a [u32],
+    queries: &'a [PagedQuery<'a>],
+}
 
 /// Hyperparameters common to the decoders, from `{arch}.*` keys.
 #[derive(Clone, Debug)]
@@ -214,11 +225,12 @@ pub struct Decoder {
     pub exact_activations: bool,
 }
 
-/// Keys and values of past positions, per layer.
+/// Keys and values of one sequence's past positions: a paged pool whose blocks the
+/// sequence holds in order, the one-sequence case of [`Decoder::forward_batch`].
 pub struct KvCache {
+    pool: KvPool,
+    blocks: Vec<BlockId>,
     n_ctx: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
     len: usize,
 }
 
@@ -250,16 +262,34 @@ pub enum LogitRows {
 }
 
 impl Decoder {
-    pub fn new_cache(&self, n_ctx: usize) -> KvCache {
+    /// A KV pool of `num_blocks` blocks of `block_size` positions, for every layer.
+    pub fn new_pool(&self, num_blocks: usize, block_size: usize) -> KvPool {
         let hp = &self.hp;
+        KvPool::new(
+            hp.n_layer,
+            hp.n_head_kv * hp.head_dim_k,
+            hp.n_head_kv * hp.head_dim_v,
+            num_blocks,
+            block_size,
+        )
+    }
+
+    /// Bytes of KV cache one position takes.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let hp = &self.hp;
+        KvPool::bytes_per_token(
+            hp.n_layer,
+            hp.n_head_kv * hp.head_dim_k,
+            hp.n_head_kv * hp.head_dim_v,
+        )
+    }
+
+    pub fn new_cache(&self, n_ctx: usize) -> KvCache {
+        let num_blocks = n_ctx.div_ceil(DEFAULT_BLOCK_SIZE).max(1);
         KvCache {
+            pool: self.new_pool(num_blocks, DEFAULT_BLOCK_SIZE),
+            blocks: (0..num_blocks as BlockId).collect(),
             n_ctx,
-            k: (0..hp.n_layer)
-                .map(|_| vec![0.0; n_ctx * hp.n_head_kv * hp.head_dim_k])
-                .collect(),
-            v: (0..hp.n_layer)
-                .map(|_| vec![0.0; n_ctx * hp.n_head_kv * hp.head_dim_v])
-                .collect(),
             len: 0,
         }
     }
@@ -280,44 +310,82 @@ impl Decoder {
         tokens: &[u32],
         rows: LogitRows,
     ) -> Result<Vec<f32>, ModelError> {
-        let hp = &self.hp;
-        let (t, e) = (tokens.len(), hp.n_embd);
-        let p0 = cache.len;
+        let (t, p0) = (tokens.len(), cache.len);
         if p0 + t > cache.n_ctx {
             return Err(ModelError::ContextFull {
                 needed: p0 + t,
                 n_ctx: cache.n_ctx,
             });
         }
-        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= hp.n_vocab) {
-            return Err(ModelError::Invalid(format!(
-                "token id {bad} outside the vocabulary"
-            )));
+        if t == 0 {
+            return Err(ModelError::Invalid("no tokens".into()));
         }
-        let mut x = vec![0f32; t * e];
-        x.par_chunks_mut(e)
-            .zip(tokens)
-            .for_each(|(row, &id)| row.copy_from_slice(&self.embed(id)));
-        let positions: Vec<usize> = (p0..p0 + t).collect();
-        for (li, layer) in self.layers.iter().enumerate() {
-            self.attention_block(
-                layer,
-                &mut x,
-                &positions,
-                &mut cache.k[li],
-                &mut cache.v[li],
-            );
-            self.ffn_block(layer, &mut x);
-        }
-        cache.len = p0 + t;
-
         let first = match rows {
             LogitRows::Last => t - 1,
             LogitRows::From(i) => i.min(t - 1),
         };
-        let mut h = x[first * e..].to_vec();
+        let mut batch = ForwardBatch::new(cache.pool.block_size);
+        batch.push(tokens, p0, &cache.blocks, first..t);
+        let logits = self.forward_batch(&mut cache.pool, &batch)?;
+        cache.len = p0 + t;
+        Ok(logits)
+    }
+
+    /// One forward pass over `batch` (any number of sequences, each attending to its own
+    /// blocks of `kv`): writes the new keys and values, returns the logits of
+    /// `batch.logit_rows` (`rows x n_vocab`). Each token's result does not depend on the
+    /// other tokens of the batch, so a sequence gets the same logits batched or alone.
+    pub fn forward_batch(
+        &self,
+        kv: &mut KvPool,
+        batch: &ForwardBatch,
+    ) -> Result<Vec<f32>, ModelError> {
+        let hp = &self.hp;
+        batch
+            .validate(hp.n_vocab, kv.num_blocks)
+            .map_err(ModelError::Invalid)?;
+        if batch.block_size != kv.block_size {
+            return Err(ModelError::Invalid(format!(
+                "a batch of {}-position blocks for a pool of {}",
+                batch.block_size, kv.block_size
+            )));
+        }
+        let (t, e) = (batch.n_tokens(), hp.n_embd);
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        let mut x = vec![0f32; t * e];
+        x.par_chunks_mut(e)
+            .zip(&batch.tokens)
+            .for_each(|(row, &id)| row.copy_from_slice(&self.embed(id)));
+        let mut queries = Vec::with_capacity(t);
+        for s in 0..batch.n_seqs() {
+            for i in batch.seq_tokens(s) {
+                queries.push(PagedQuery {
+                    pos: batch.positions[i] as usize,
+                    blocks: batch.block_table(s),
+                });
+            }
+        }
+        let kv_at = KvLayout {
+            block_size: kv.block_size,
+            slots: &batch.slots,
+            queries: &queries,
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.attention_block(layer, &mut x, &kv_at, &mut kv.k[li], &mut kv.v[li]);
+            self.ffn_block(layer, &mut x);
+        }
+        let r = batch.logit_rows.len();
+        if r == 0 {
+            return Ok(Vec::new());
+        }
+        let mut h = Vec::with_capacity(r * e);
+        for &row in &batch.logit_rows {
+            h.extend_from_slice(&x[row as usize * e..(row as usize + 1) * e]);
+        }
         ops::rms_norm(&mut h, &self.output_norm, hp.rms_eps);
-        let mut logits = vec![0f32; (t - first) * hp.n_vocab];
+        let mut logits = vec![0f32; r * hp.n_vocab];
         matmul_with(&self.output, &h, None, &mut logits, self.exact_activations);
         if let Some(cap) = self.final_logit_softcap {
             logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
@@ -329,12 +397,13 @@ impl Decoder {
         &self,
         l: &Layer,
         x: &mut [f32],
-        positions: &[usize],
+        at: &KvLayout,
         k_cache: &mut [f32],
         v_cache: &mut [f32],
     ) {
         let hp = &self.hp;
-        let (t, e) = (positions.len(), hp.n_embd);
+        let e = hp.n_embd;
+        let t = at.queries.len();
         let mut h = x.to_vec();
         ops::rms_norm(&mut h, &l.attn_norm, hp.rms_eps);
         let mut acts = ActCache::new(self.exact_activations);
@@ -355,12 +424,15 @@ impl Decoder {
         if let Some(w) = &l.k_norm {
             ops::rms_norm(&mut k, w, hp.rms_eps);
         }
-        l.rope.apply(&mut q, dk, positions);
-        l.rope.apply(&mut k, dk, positions);
-        let p0 = positions[0];
+        let positions: Vec<usize> = at.queries.iter().map(|q| q.pos).collect();
+        l.rope.apply(&mut q, dk, &positions);
+        l.rope.apply(&mut k, dk, &positions);
         let (kr, vr) = (hp.n_head_kv * dk, hp.n_head_kv * dv);
-        k_cache[p0 * kr..(p0 + t) * kr].copy_from_slice(&k);
-        v_cache[p0 * vr..(p0 + t) * vr].copy_from_slice(&v);
+        for (i, &slot) in at.slots.iter().enumerate() {
+            let slot = slot as usize;
+            k_cache[slot * kr..(slot + 1) * kr].copy_from_slice(&k[i * kr..(i + 1) * kr]);
+            v_cache[slot * vr..(slot + 1) * vr].copy_from_slice(&v[i * vr..(i + 1) * vr]);
+        }
         let shape = AttentionShape {
             n_head: hp.n_head,
             n_head_kv: hp.n_head_kv,
@@ -370,12 +442,13 @@ impl Decoder {
             window: l.window,
         };
         let mut attn = vec![0f32; t * hp.n_head * dv];
-        ops::attention(
+        ops::attention_paged(
             &shape,
             &q,
-            &k_cache[..(p0 + t) * kr],
-            &v_cache[..(p0 + t) * vr],
-            p0,
+            k_cache,
+            v_cache,
+            at.block_size,
+            at.queries,
             &mut attn,
         );
         let mut o = vec![0f32; t * e];

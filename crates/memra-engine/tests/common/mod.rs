@@ -16,6 +16,7 @@ pub fn model_path(name: &str) -> PathBuf {
 }
 
 /// A JSON array of `shared/golden`.
+#[allow(dead_code)] // not every test binary reads golden records
 pub fn golden(file: &str) -> Vec<Json> {
     let text = std::fs::read_to_string(shared_dir().join("golden").join(file)).unwrap();
     serde_json::from_str::<Json>(&text)

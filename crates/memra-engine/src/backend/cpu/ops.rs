@@ -109,13 +109,44 @@ pub struct AttentionShape {
 
 /// Causal attention of `t` queries at positions `p0..p0+t` over the first `p0 + t` cached
 /// keys and values. `q` is `t x n_head*head_dim_k`, the caches `positions x
-/// n_head_kv*head_dim`, `out` is `t x n_head*head_dim_v`.
+/// n_head_kv*head_dim`, `out` is `t x n_head*head_dim_v`. (A contiguous cache is a paged
+/// one of a single block.)
 pub fn attention(
     s: &AttentionShape,
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     p0: usize,
+    out: &mut [f32],
+) {
+    let t = q.len() / (s.n_head * s.head_dim_k);
+    let queries: Vec<PagedQuery> = (0..t)
+        .map(|i| PagedQuery {
+            pos: p0 + i,
+            blocks: &[0],
+        })
+        .collect();
+    attention_paged(s, q, k_cache, v_cache, p0 + t, &queries, out);
+}
+
+/// Where one query row finds its keys and values in a paged cache: its position, and its
+/// sequence's blocks (position `j` is at slot `blocks[j / block_size] * block_size + j %
+/// block_size`).
+pub struct PagedQuery<'a> {
+    pub pos: usize,
+    pub blocks: &'a [u32],
+}
+
+/// Causal attention of the rows of `q` (`t x n_head*head_dim_k`), row `i` over positions
+/// `0..=queries[i].pos` of its own sequence (less any window), in pools of `slots x
+/// n_head_kv*head_dim` keys and values. `out` is `t x n_head*head_dim_v`.
+pub fn attention_paged(
+    s: &AttentionShape,
+    q: &[f32],
+    k_pool: &[f32],
+    v_pool: &[f32],
+    block_size: usize,
+    queries: &[PagedQuery],
     out: &mut [f32],
 ) {
     let (dk, dv) = (s.head_dim_k, s.head_dim_v);
@@ -126,20 +157,21 @@ pub fn attention(
     out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
         let (tok, h) = (i / s.n_head, i % s.n_head);
         let kvh = h / group;
-        let pos = p0 + tok;
+        let PagedQuery { pos, blocks } = queries[tok];
+        let slot = |j: usize| blocks[j / block_size] as usize * block_size + j % block_size;
         let first = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let qh = &q[tok * q_row + h * dk..tok * q_row + (h + 1) * dk];
         let mut scores: Vec<f32> = (first..=pos)
             .map(|j| {
-                let kj = &k_cache[j * k_row + kvh * dk..j * k_row + (kvh + 1) * dk];
-                super::matmul::dot_f32(qh, kj) * s.scale
+                let at = slot(j) * k_row + kvh * dk;
+                super::matmul::dot_f32(qh, &k_pool[at..at + dk]) * s.scale
             })
             .collect();
         softmax(&mut scores);
         o.fill(0.0);
         for (j, &p) in (first..=pos).zip(&scores) {
-            let vj = &v_cache[j * v_row + kvh * dv..j * v_row + (kvh + 1) * dv];
-            for (a, &b) in o.iter_mut().zip(vj) {
+            let at = slot(j) * v_row + kvh * dv;
+            for (a, &b) in o.iter_mut().zip(&v_pool[at..at + dv]) {
                 *a += p * b;
             }
         }

@@ -1,242 +1,88 @@
 //! The decoder on the GPU: the same [`Decoder`] the CPU engine runs (every architecture,
 //! mixture-of-experts layers included), with its weights uploaded in their quantized form
-//! and an f16 KV cache.
+//! (`weights.rs`) and a paged f16 KV pool: blocks of [`BLOCK_SIZE`] positions that the
+//! sequences of a [`ForwardBatch`] hold through their block tables.
 //!
-//! Two paths:
-//! - one token (decode): int8 activations and the `mmvq` kernels, split-K attention, the
-//!   greedy pick on the device; the whole step is a CUDA graph captured once and replayed
-//!   per token (`graph.rs`), so only the token id and position go in and one id (or the
-//!   logits, when the host samples) comes out;
-//! - several tokens (prompts, perplexity): batches of up to [`MAX_BATCH`] tokens through
-//!   f16 GEMMs (`gemm.rs`) on weights dequantized one matrix at a time into a scratch
-//!   buffer, and flash attention.
+//! A step's sequences take one of two paths by what they compute, so a sequence's numbers
+//! do not depend on what else is in the batch:
+//! - one token (decode): int8 activations and the `mmvq` kernels for up to
+//!   [`MAX_DECODE_ROWS`] sequences at once, split-K paged attention; for one sequence the
+//!   whole step is a CUDA graph captured once and replayed (`graph.rs`), so only the batch
+//!   arrays go in and one id (or the logits, when the host samples) comes out;
+//! - several tokens (prompt chunks, perplexity): batches of up to [`MAX_BATCH`] tokens
+//!   through f16 GEMMs (`gemm.rs`) on weights dequantized one matrix at a time into a
+//!   scratch buffer, and paged flash attention; the rows that need logits go through the
+//!   decode kernels (up to [`MAX_DECODE_ROWS`]) or one output GEMM.
+//!
+//! The one-context API (`forward`, `forward_greedy`, `forward_sample`: the [`Runner`] of
+//! `memra bench`, the GPU tests) is a sequence that holds blocks 0, 1, 2, ... in order.
+//!
+//! [`Runner`]: crate::generate::Runner
 
 use cudarc::driver::{CudaSlice, CudaView};
 use half::f16;
 
+use super::buffers::{
+    gemm_chunk_rows, BatchBuffers, MoeBuffers, StepBuffers, Widths, GEMM_SCRATCH,
+};
+pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS};
 use super::gemm::Gemm;
 use super::graph::DecodeGraph;
-use super::matvec::{
-    mmvq, mmvq_moe, mmvq_set, supported, upload_weights, DeviceActs, ExpertWeights,
-};
-use super::ops::{self, AttentionShape, DeviceRope, MAX_SPLITS};
-use super::sampling::{argmax, ArgmaxParts, DevicePick, DeviceSampler, MAX_CANDIDATES};
+use super::matvec::{mmvq, mmvq_moe, mmvq_set, DeviceActs};
+use super::ops;
+use super::sampling::{argmax, DevicePick, MAX_CANDIDATES};
+use super::weights::{matrix_bytes, GpuExperts, GpuFfn, GpuLayer, GpuLinear, GpuWeights};
 use super::{CudaDevice, CudaError};
-use crate::backend::cpu::matmul::WeightRows;
-use crate::backend::cpu::ops::RopeLayout;
-use crate::models::layers::{Activation, Decoder, Ffn};
-use crate::models::weights::Linear;
+use crate::batch::{ForwardBatch, RowOut, RowPick};
+use crate::models::layers::{Activation, Decoder, Hyper};
 use crate::models::LogitRows;
 use crate::sampler::Sampler;
 
-/// Tokens per prompt batch (llama.cpp's default micro-batch).
-pub const MAX_BATCH: usize = 512;
-/// Weights dequantized to f16 at a time for a prompt GEMM (64 MiB): a larger matrix goes
-/// in chunks of rows. Measured on llama3-8b q4_k_m (docs/cuda.md): the whole largest
-/// matrix (112 MiB) 16,183 t/s pp512, 64 MiB 15,728, 32 MiB 14,857.
-const GEMM_SCRATCH: usize = 32 << 20;
+/// Positions per KV block on the GPU (a power of two: the kernels shift and mask).
+pub const BLOCK_SIZE: usize = crate::kv::DEFAULT_BLOCK_SIZE;
 
-/// Rows per chunk of a matrix of rows of `n_in` in `scratch` weights: a multiple of 256
-/// (the GEMM's tiles: chunks of 1,170 rows made pp512 23% slower), at least one row.
-fn gemm_chunk_rows(scratch: usize, n_in: usize) -> usize {
-    let rows = scratch / n_in;
-    if rows >= 256 {
-        rows / 256 * 256
-    } else {
-        rows.max(1)
-    }
+/// How large the KV pool is.
+#[derive(Clone, Copy, Debug)]
+pub enum PoolSize {
+    /// At least this many positions.
+    Tokens(usize),
+    /// This fraction of the GPU memory free after the weights and buffers.
+    MemoryFraction(f64),
 }
 
-struct GpuLinear {
-    w: CudaSlice<u8>,
-    ty: memra_gguf::GgmlType,
-    n_in: usize,
-    n_out: usize,
+/// Where the logits of a step's rows are.
+enum Logits {
+    /// Rows of `step.logits` on the device (the decode kernels computed them); `best` when
+    /// the first row's argmax is in `step.best` already (the captured graph does it).
+    Device { best: bool },
+    /// Rows on the host.
+    Host(Vec<f32>),
 }
 
-impl GpuLinear {
-    fn row_bytes(&self) -> usize {
-        self.ty
-            .row_bytes(self.n_in as u64)
-            .expect("checked at upload") as usize
-    }
-}
-
-struct GpuLayer {
-    attn_norm: CudaSlice<f32>,
-    wq: GpuLinear,
-    wk: GpuLinear,
-    wv: GpuLinear,
-    bq: Option<CudaSlice<f32>>,
-    bk: Option<CudaSlice<f32>>,
-    bv: Option<CudaSlice<f32>>,
-    q_norm: Option<CudaSlice<f32>>,
-    k_norm: Option<CudaSlice<f32>>,
-    wo: GpuLinear,
-    post_attn_norm: Option<CudaSlice<f32>>,
-    ffn_norm: CudaSlice<f32>,
-    ffn: GpuFfn,
-    post_ffn_norm: Option<CudaSlice<f32>>,
-    rope: DeviceRope,
-    attn: AttentionShape,
-}
-
-enum GpuFfn {
-    Dense {
-        gate: GpuLinear,
-        up: GpuLinear,
-        down: GpuLinear,
-    },
-    Experts(GpuExperts),
-}
-
-/// A mixture-of-experts FFN: the router, and each projection's experts in one buffer.
-struct GpuExperts {
-    router: GpuLinear,
-    gate: GpuExpertWeights,
-    up: GpuExpertWeights,
-    down: GpuExpertWeights,
-    n_used: usize,
-    normalize: bool,
-}
-
-struct GpuExpertWeights {
-    w: CudaSlice<u8>,
-    ty: memra_gguf::GgmlType,
-    n_in: usize,
-    n_out: usize,
-    n_expert: usize,
-}
-
-impl GpuExpertWeights {
-    fn view(&self) -> ExpertWeights<'_> {
-        ExpertWeights {
-            w: &self.w,
-            ty: self.ty,
-            n_in: self.n_in,
-            n_out: self.n_out,
-            n_expert: self.n_expert,
-        }
-    }
-}
-
-impl GpuFfn {
-    /// Width of the gated activations of one token (all chosen experts').
-    fn width(&self) -> usize {
-        match self {
-            GpuFfn::Dense { gate, .. } => gate.n_out,
-            GpuFfn::Experts(x) => x.n_used * x.gate.n_out,
-        }
-    }
-
-    fn experts(&self) -> Option<&GpuExperts> {
-        match self {
-            GpuFfn::Experts(x) => Some(x),
-            GpuFfn::Dense { .. } => None,
-        }
-    }
-}
-
-/// Buffers of the decode step, allocated once (a captured graph points into them).
-struct StepBuffers {
-    /// The token id and its position, written by the host before each step.
-    args: CudaSlice<i32>,
-    /// The residual stream, in two buffers that take turns (the fused add + norm reads one
-    /// and writes the other).
-    x: [CudaSlice<f32>; 2],
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
-    o: CudaSlice<f32>,
-    g: CudaSlice<f32>,
-    u: CudaSlice<f32>,
-    part_o: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-    moe: MoeBuffers,
-    logits: CudaSlice<f32>,
-    best: CudaSlice<i32>,
-    best_parts: ArgmaxParts,
-    sampler: DeviceSampler,
-    acts: DeviceActs,
-}
-
-/// Routing and per-expert outputs of MoE layers, for `rows` tokens (minimal for dense
-/// models).
-struct MoeBuffers {
-    router: CudaSlice<f32>,
-    ids: CudaSlice<i32>,
-    weights: CudaSlice<f32>,
-    /// tokens x chosen experts x n_embd.
-    y: CudaSlice<f32>,
-}
-
-impl MoeBuffers {
-    fn new(
-        dev: &CudaDevice,
-        layers: &[GpuLayer],
-        rows: usize,
-        n_embd: usize,
-    ) -> Result<MoeBuffers, CudaError> {
-        let experts: Vec<_> = layers.iter().filter_map(|l| l.ffn.experts()).collect();
-        let n_exp = experts.iter().map(|x| x.gate.n_expert).max().unwrap_or(0);
-        let n_used = experts.iter().map(|x| x.n_used).max().unwrap_or(0);
-        let s = &dev.stream;
-        Ok(MoeBuffers {
-            router: s.alloc_zeros((rows * n_exp).max(1))?,
-            ids: s.alloc_zeros((rows * n_used).max(1))?,
-            weights: s.alloc_zeros((rows * n_used).max(1))?,
-            y: s.alloc_zeros((rows * n_used * n_embd).max(1))?,
-        })
-    }
-
-    fn bytes(&self) -> usize {
-        bytes_of(&self.router) + bytes_of(&self.ids) + bytes_of(&self.weights) + bytes_of(&self.y)
-    }
-}
-
-/// Buffers of prompt batches, allocated at the first batch.
-struct BatchBuffers {
-    ids: CudaSlice<i32>,
-    pos: CudaSlice<i32>,
-    x: CudaSlice<f32>,
-    /// f16 GEMM inputs: normed rows, attention output, gated activations.
-    xh: CudaSlice<f16>,
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
-    o: CudaSlice<f32>,
-    g: CudaSlice<f32>,
-    u: CudaSlice<f32>,
-    /// Per-row factors undoing the f16 range scaling of the gated activations.
-    row_scale: CudaSlice<f32>,
-    /// One weight matrix dequantized to f16.
-    w: CudaSlice<f16>,
-    gemm: Gemm,
-    /// MoE layers: the FFN input quantized for the expert kernels, and routing.
-    moe_acts: Option<DeviceActs>,
-    moe: MoeBuffers,
-    /// Logits of the rows asked for (grown as needed).
-    logits: Option<CudaSlice<f32>>,
-}
-
-pub struct GpuDecoder<'m> {
-    model: &'m Decoder,
-    layers: Vec<GpuLayer>,
-    token_embd: GpuLinear,
-    output_norm: CudaSlice<f32>,
-    output: GpuLinear,
+pub struct GpuDecoder {
+    hp: Hyper,
+    embd_scale: f32,
+    gelu: bool,
+    softcap: Option<f32>,
+    w: GpuWeights,
+    /// Per layer, `num_blocks x BLOCK_SIZE` rows of n_head_kv x head_dim halves.
     k_cache: Vec<CudaSlice<f16>>,
     v_cache: Vec<CudaSlice<f16>>,
+    num_blocks: usize,
+    /// Blocks one sequence may hold (its `n_ctx` positions).
+    max_blocks: usize,
+    widths: Widths,
     step: StepBuffers,
     batch: Option<BatchBuffers>,
     graph: Option<DecodeGraph>,
     /// Replay a captured graph per token (off: launch every kernel; `MEMRA_CUDA_GRAPH=0`).
     use_graph: bool,
-    /// Decode steps run eagerly so far (the graph is captured after the first).
+    /// One-sequence decode steps run eagerly so far (the graph is captured after the first).
     eager_steps: usize,
+    /// The one-context API's sequence: positions it holds (in blocks 0, 1, ...).
+    own_len: usize,
     n_ctx: usize,
-    len: usize,
-    /// Device bytes: weights, KV cache, buffers (the batch buffers once allocated).
+    /// Device bytes: weights, KV pool, buffers (the batch buffers once allocated).
     pub weight_bytes: usize,
     pub cache_bytes: usize,
     pub buffer_bytes: usize,
@@ -244,18 +90,20 @@ pub struct GpuDecoder<'m> {
     dev: CudaDevice,
 }
 
-/// Device bytes of a buffer.
-fn bytes_of<T>(s: &CudaSlice<T>) -> usize {
-    s.len() * std::mem::size_of::<T>()
-}
+impl GpuDecoder {
+    /// Uploads `model` to GPU `ordinal` with room for one sequence of `n_ctx` positions.
+    pub fn new(ordinal: usize, model: &Decoder, n_ctx: usize) -> Result<GpuDecoder, CudaError> {
+        GpuDecoder::with_pool(ordinal, model, n_ctx, PoolSize::Tokens(n_ctx))
+    }
 
-impl<'m> GpuDecoder<'m> {
-    /// Uploads `model` to GPU `ordinal` with room for `n_ctx` positions.
-    pub fn new(
+    /// Uploads `model` to GPU `ordinal`, for sequences of up to `n_ctx` positions sharing a
+    /// KV pool of `pool`.
+    pub fn with_pool(
         ordinal: usize,
-        model: &'m Decoder,
+        model: &Decoder,
         n_ctx: usize,
-    ) -> Result<GpuDecoder<'m>, CudaError> {
+        pool: PoolSize,
+    ) -> Result<GpuDecoder, CudaError> {
         let dev = CudaDevice::new(ordinal)?;
         let hp = &model.hp;
         if hp.head_dim_k != hp.head_dim_v {
@@ -264,238 +112,126 @@ impl<'m> GpuDecoder<'m> {
                 hp.head_dim_k, hp.head_dim_v
             )));
         }
-        let hd = hp.head_dim_k;
-        let mut weight_bytes = model.output.bytes().len() + model.token_embd.bytes().len();
-        for l in &model.layers {
-            weight_bytes += [&l.wq, &l.wk, &l.wv, &l.wo]
-                .iter()
-                .map(|w| w.bytes().len())
-                .sum::<usize>();
-            weight_bytes += match &l.ffn {
-                Ffn::Dense { gate, up, down } => {
-                    gate.bytes().len() + up.bytes().len() + down.bytes().len()
-                }
-                Ffn::Experts {
-                    router,
-                    gate,
-                    up,
-                    down,
-                    ..
-                } => {
-                    router.bytes().len()
-                        + [gate, up, down]
-                            .iter()
-                            .flat_map(|e| e.iter())
-                            .map(|l| l.bytes().len())
-                            .sum::<usize>()
-                }
-            };
+        if n_ctx == 0 {
+            return Err(CudaError::Invalid("a context of 0 positions".into()));
         }
-        let cache_bytes = 2 * 2 * n_ctx * hp.n_layer * hp.n_head_kv * hd;
+        let hd = hp.head_dim_k;
+        let kv_row = hp.n_head_kv * hd;
+        // Keys and values, f16, every layer.
+        let token_bytes = 2 * 2 * kv_row * hp.n_layer;
+        let matrices = matrix_bytes(model);
         let (free, _) = dev.ctx.mem_get_info()?;
-        if weight_bytes + cache_bytes > free {
+        let asked = match pool {
+            PoolSize::Tokens(t) => t * token_bytes,
+            PoolSize::MemoryFraction(_) => 0,
+        };
+        if matrices + asked > free {
             return Err(CudaError::Invalid(format!(
                 "the model needs at least {} MiB of GPU memory ({} MiB weights, {} MiB KV cache \
-                 for {n_ctx} positions); {} MiB are free (a smaller context, -c, needs less)",
-                (weight_bytes + cache_bytes) >> 20,
-                weight_bytes >> 20,
-                cache_bytes >> 20,
+                 for {} positions); {} MiB are free (a smaller context, -c, needs less)",
+                (matrices + asked) >> 20,
+                matrices >> 20,
+                asked >> 20,
+                asked / token_bytes,
                 free >> 20
             )));
         }
-        let mut small = 0usize;
-        let mut up_f32 = |v: &[f32]| -> Result<CudaSlice<f32>, CudaError> {
-            small += 4 * v.len();
-            Ok(dev.stream.clone_htod(v)?)
+        let w = GpuWeights::upload(&dev, model)?;
+        let widths = Widths {
+            n_embd: hp.n_embd,
+            q_len: hp.n_head * hd,
+            kv_len: kv_row,
+            ffn: w.layers.iter().map(|l| l.ffn.width()).max().unwrap_or(0),
+            n_head: hp.n_head,
+            n_vocab: hp.n_vocab,
         };
-        let mut linears = 0usize;
-        let mut expert_bytes = 0usize;
-        let mut upload = |l: &Linear| -> Result<GpuLinear, CudaError> {
-            if !supported(l.ty()) {
-                return Err(CudaError::Unsupported {
-                    op: "matvec",
-                    ty: l.ty(),
-                });
-            }
-            if l.n_in() % 32 != 0 {
-                return Err(CudaError::Invalid(format!(
-                    "rows of {} weights (the kernels take multiples of 32)",
-                    l.n_in()
-                )));
-            }
-            linears += l.bytes().len();
-            Ok(GpuLinear {
-                w: upload_weights(&dev, l.bytes(), l.ty(), l.n_in())?,
-                ty: l.ty(),
-                n_in: l.n_in(),
-                n_out: l.n_out(),
-            })
-        };
-        let mut layers = Vec::with_capacity(model.layers.len());
-        for l in &model.layers {
-            let ffn = match &l.ffn {
-                Ffn::Dense { gate, up, down } => GpuFfn::Dense {
-                    gate: upload(gate)?,
-                    up: upload(up)?,
-                    down: upload(down)?,
-                },
-                Ffn::Experts {
-                    router,
-                    gate,
-                    up,
-                    down,
-                    n_used,
-                    normalize,
-                } => {
-                    // Each projection's experts, one after the other, in one buffer.
-                    let mut experts = |e: &[Linear]| -> Result<GpuExpertWeights, CudaError> {
-                        let ty = e[0].ty();
-                        if !supported(ty) {
-                            return Err(CudaError::Unsupported {
-                                op: "expert matvec",
-                                ty,
-                            });
-                        }
-                        let bytes: Vec<u8> =
-                            e.iter().flat_map(|l| l.bytes().iter().copied()).collect();
-                        expert_bytes += bytes.len();
-                        Ok(GpuExpertWeights {
-                            w: upload_weights(&dev, &bytes, ty, e[0].n_in())?,
-                            ty,
-                            n_in: e[0].n_in(),
-                            n_out: e[0].n_out(),
-                            n_expert: e.len(),
-                        })
-                    };
-                    let (gate, up, down) = (experts(gate)?, experts(up)?, experts(down)?);
-                    GpuFfn::Experts(GpuExperts {
-                        router: upload(router)?,
-                        gate,
-                        up,
-                        down,
-                        n_used: *n_used,
-                        normalize: *normalize,
-                    })
+        let max_blocks = n_ctx.div_ceil(BLOCK_SIZE);
+        let step = StepBuffers::new(&dev, &w.layers, &widths, max_blocks)?;
+        let mut buffer_bytes = w.small_bytes + step.bytes();
+        let mut batch = None;
+        let num_blocks = match pool {
+            PoolSize::Tokens(t) => t.div_ceil(BLOCK_SIZE).max(1),
+            PoolSize::MemoryFraction(f) => {
+                // The prompt buffers first, so that the pool takes what is left.
+                let b = alloc_batch(&dev, &w, &widths, max_blocks)?;
+                buffer_bytes += b.bytes();
+                batch = Some(b);
+                let (free, _) = dev.ctx.mem_get_info()?;
+                let blocks =
+                    (free as f64 * f.clamp(0.0, 1.0)) as usize / (token_bytes * BLOCK_SIZE);
+                if blocks == 0 {
+                    return Err(CudaError::Invalid(format!(
+                        "no GPU memory left for the KV cache ({} MiB free after the weights)",
+                        free >> 20
+                    )));
                 }
-            };
-            type Upload<'a> = dyn FnMut(&[f32]) -> Result<CudaSlice<f32>, CudaError> + 'a;
-            let opt = |v: &Option<Vec<f32>>, up: &mut Upload| v.as_deref().map(up).transpose();
-            let attn = AttentionShape {
-                n_head: hp.n_head,
-                n_head_kv: hp.n_head_kv,
-                head_dim: hd,
-                scale: model.attn_scale,
-                window: l.window.unwrap_or(0),
-            };
-            attn.supported()?;
-            layers.push(GpuLayer {
-                attn_norm: up_f32(&l.attn_norm)?,
-                wq: upload(&l.wq)?,
-                wk: upload(&l.wk)?,
-                wv: upload(&l.wv)?,
-                bq: opt(&l.bq, &mut up_f32)?,
-                bk: opt(&l.bk, &mut up_f32)?,
-                bv: opt(&l.bv, &mut up_f32)?,
-                q_norm: opt(&l.q_norm, &mut up_f32)?,
-                k_norm: opt(&l.k_norm, &mut up_f32)?,
-                wo: upload(&l.wo)?,
-                post_attn_norm: opt(&l.post_attn_norm, &mut up_f32)?,
-                ffn_norm: up_f32(&l.ffn_norm)?,
-                ffn,
-                post_ffn_norm: opt(&l.post_ffn_norm, &mut up_f32)?,
-                rope: DeviceRope {
-                    halves: l.rope.layout == RopeLayout::Halves,
-                    n_dims: l.rope.n_dims,
-                    base: l.rope.base,
-                    freq_scale: l.rope.freq_scale,
-                    freq_factors: opt(&l.rope.freq_factors, &mut up_f32)?,
-                },
-                attn,
-            });
-        }
-        let output_norm = up_f32(&model.output_norm)?;
-        let output = upload(&model.output)?;
-        let token_embd = upload(&model.token_embd)?;
-        let kv = n_ctx * hp.n_head_kv * hd;
+                blocks
+            }
+        };
+        let slots = num_blocks * BLOCK_SIZE;
         let mut k_cache = Vec::with_capacity(hp.n_layer);
         let mut v_cache = Vec::with_capacity(hp.n_layer);
         for _ in 0..hp.n_layer {
-            k_cache.push(dev.stream.alloc_zeros(kv)?);
-            v_cache.push(dev.stream.alloc_zeros(kv)?);
+            k_cache.push(dev.stream.alloc_zeros(slots * kv_row)?);
+            v_cache.push(dev.stream.alloc_zeros(slots * kv_row)?);
         }
-        let e = hp.n_embd;
-        let f = layers.iter().map(|l| l.ffn.width()).max().unwrap_or(0);
-        let q_len = hp.n_head * hd;
-        let widest = e.max(f).max(q_len);
-        let s = &dev.stream;
-        let step = StepBuffers {
-            args: s.alloc_zeros(2)?,
-            x: [s.alloc_zeros(e)?, s.alloc_zeros(e)?],
-            q: s.alloc_zeros(q_len)?,
-            k: s.alloc_zeros(hp.n_head_kv * hd)?,
-            v: s.alloc_zeros(hp.n_head_kv * hd)?,
-            o: s.alloc_zeros(e)?,
-            g: s.alloc_zeros(f.max(1))?,
-            u: s.alloc_zeros(f.max(1))?,
-            part_o: s.alloc_zeros(MAX_SPLITS * q_len)?,
-            part_ml: s.alloc_zeros(MAX_SPLITS * hp.n_head * 2)?,
-            moe: MoeBuffers::new(&dev, &layers, 1, e)?,
-            logits: s.alloc_zeros(hp.n_vocab)?,
-            best: s.alloc_zeros(1)?,
-            best_parts: ArgmaxParts::new(&dev)?,
-            sampler: DeviceSampler::new(&dev)?,
-            acts: DeviceActs::new(&dev, widest.div_ceil(32) * 32)?,
-        };
-        let buffer_bytes = small
-            + [
-                &step.x[0], &step.x[1], &step.q, &step.k, &step.v, &step.o, &step.g, &step.u,
-            ]
-            .iter()
-            .map(|b| bytes_of(b))
-            .sum::<usize>()
-            + bytes_of(&step.part_o)
-            + bytes_of(&step.part_ml)
-            + step.moe.bytes()
-            + bytes_of(&step.logits)
-            + widest * 3;
         let use_graph = std::env::var("MEMRA_CUDA_GRAPH").map_or(true, |v| v != "0");
         Ok(GpuDecoder {
-            dev,
-            model,
-            layers,
-            token_embd,
-            output_norm,
-            output,
+            hp: hp.clone(),
+            embd_scale: model.embd_scale.unwrap_or(1.0),
+            gelu: model.activation == Activation::GeluTanh,
+            softcap: model.final_logit_softcap,
+            weight_bytes: w.matrix_bytes,
+            cache_bytes: slots * token_bytes,
+            w,
             k_cache,
             v_cache,
+            num_blocks,
+            max_blocks,
+            widths,
             step,
-            batch: None,
+            batch,
             graph: None,
             use_graph,
             eager_steps: 0,
+            own_len: 0,
             n_ctx,
-            len: 0,
-            weight_bytes: linears + expert_bytes,
-            cache_bytes: 2 * 2 * kv * hp.n_layer,
             buffer_bytes,
+            dev,
         })
     }
 
+    /// Positions the one-context API's sequence holds.
     pub fn len(&self) -> usize {
-        self.len
+        self.own_len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.own_len == 0
     }
 
+    /// Positions one sequence may hold.
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
     }
 
-    /// Forgets the context (the cache is overwritten from position 0).
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        BLOCK_SIZE
+    }
+
+    /// Forgets the one-context API's sequence (its blocks are overwritten from position 0).
     pub fn reset(&mut self) {
-        self.len = 0;
+        self.own_len = 0;
+    }
+
+    /// Makes this thread use the decoder's GPU context (a decoder moved to another thread,
+    /// the engine's, calls it before its first step).
+    pub fn bind_to_thread(&self) -> Result<(), CudaError> {
+        Ok(self.dev.ctx.bind_to_thread()?)
     }
 
     /// What this decoder holds on the device, and what the driver counts in use on the
@@ -508,188 +244,332 @@ impl<'m> GpuDecoder<'m> {
             Err(_) => String::new(),
         };
         format!(
-            "gpu memory: {:.0} MiB held: weights {:.0} MiB, KV cache {:.0} MiB (f16, {} positions), \
-             buffers {:.0} MiB{driver}",
+            "gpu memory: {:.0} MiB held: weights {:.0} MiB, KV cache {:.0} MiB (f16, {} positions \
+             in blocks of {BLOCK_SIZE}), buffers {:.0} MiB{driver}",
             mib(held),
             mib(self.weight_bytes),
             mib(self.cache_bytes),
-            self.n_ctx,
+            self.num_blocks * BLOCK_SIZE,
             mib(self.buffer_bytes),
         )
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<(), CudaError> {
-        if self.len + tokens.len() > self.n_ctx {
-            return Err(CudaError::Invalid(format!(
-                "the context is full ({} positions)",
-                self.n_ctx
-            )));
-        }
-        let n_vocab = self.model.hp.n_vocab;
-        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= n_vocab) {
-            return Err(CudaError::Invalid(format!(
-                "token id {bad} outside the vocabulary"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Runs `tokens` at the next positions; returns the logits of `rows` (`rows x n_vocab`).
-    pub fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, CudaError> {
-        self.check_tokens(tokens)?;
+    /// The one-context API's sequence, with `tokens` next: checks and its batch.
+    fn own_batch(
+        &self,
+        tokens: &[u32],
+        rows: std::ops::Range<usize>,
+    ) -> Result<ForwardBatch, CudaError> {
+        let room = self.n_ctx.min(self.num_blocks * BLOCK_SIZE);
         if tokens.is_empty() {
             return Err(CudaError::Invalid("no tokens".into()));
         }
-        if tokens.len() == 1 && matches!(rows, LogitRows::Last | LogitRows::From(0)) {
-            self.decode_step(tokens[0])?;
-            return self.step_logits();
+        if self.own_len + tokens.len() > room {
+            return Err(CudaError::Invalid(format!(
+                "the context is full ({room} positions)"
+            )));
         }
-        let from = match rows {
-            LogitRows::Last => tokens.len() - 1,
-            LogitRows::From(k) => k.min(tokens.len()),
+        let end = self.own_len + tokens.len();
+        let blocks: Vec<u32> = (0..end.div_ceil(BLOCK_SIZE) as u32).collect();
+        let mut b = ForwardBatch::new(BLOCK_SIZE);
+        b.push(tokens, self.own_len, &blocks, rows);
+        Ok(b)
+    }
+
+    /// Runs `tokens` at the next positions of the one-context sequence; returns the logits
+    /// of `rows` (`rows x n_vocab`).
+    pub fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, CudaError> {
+        let t = tokens.len();
+        let first = match rows {
+            LogitRows::Last => t.saturating_sub(1),
+            LogitRows::From(k) => k.min(t),
         };
-        let mut logits = Vec::new();
-        for (c, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
-            let (start, end) = (c * MAX_BATCH, c * MAX_BATCH + chunk.len());
-            let wanted = if from >= end {
-                BatchLogits::None
-            } else if matches!(rows, LogitRows::Last) {
-                BatchLogits::Last
-            } else {
-                BatchLogits::From(from.max(start) - start)
-            };
-            logits.append(&mut self.forward_batch(chunk, wanted)?);
-        }
-        Ok(logits)
+        let b = self.own_batch(tokens, first..t)?;
+        let mut picks: Vec<RowPick> = (first..t).map(|_| RowPick::Logits).collect();
+        let out = self.forward_step(&b, &mut picks)?;
+        self.own_len += t;
+        Ok(out.into_iter().flat_map(RowOut::into_logits).collect())
     }
 
     /// One token: returns the best token id of the next position (computed on the device).
     pub fn forward_greedy(&mut self, token: u32) -> Result<u32, CudaError> {
-        self.check_tokens(&[token])?;
-        self.decode_step(token)?;
-        let best = self.dev.stream.clone_dtoh(&self.step.best)?;
-        Ok(best[0] as u32)
+        self.forward_pick(token, RowPick::Greedy)
     }
 
     /// One token: returns the next token as `sampler` picks it, on the device where it can
     /// (only the id comes back), else on the host from the logits.
     pub fn forward_sample(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, CudaError> {
-        if sampler.is_plain_greedy() {
-            return self.forward_greedy(token);
+        self.forward_pick(token, RowPick::Sample(sampler))
+    }
+
+    fn forward_pick(&mut self, token: u32, pick: RowPick) -> Result<u32, CudaError> {
+        let b = self.own_batch(&[token], 0..1)?;
+        let out = self.forward_step(&b, &mut [pick])?;
+        self.own_len += 1;
+        match out.into_iter().next() {
+            Some(RowOut::Token(id)) => Ok(id),
+            _ => Err(CudaError::Invalid("no token picked".into())),
         }
-        let n_vocab = self.model.hp.n_vocab;
+    }
+
+    /// One step over `batch`: every sequence's new keys and values into its blocks, and
+    /// each logit row's result as `picks` (one per row of `batch.logit_rows`) asks.
+    pub fn forward_step(
+        &mut self,
+        batch: &ForwardBatch,
+        picks: &mut [RowPick],
+    ) -> Result<Vec<RowOut>, CudaError> {
+        batch
+            .validate(self.hp.n_vocab, self.num_blocks)
+            .map_err(CudaError::Invalid)?;
+        if batch.block_size != BLOCK_SIZE || picks.len() != batch.logit_rows.len() {
+            return Err(CudaError::Invalid(format!(
+                "a batch of {}-position blocks and {} picks for {} rows",
+                batch.block_size,
+                picks.len(),
+                batch.logit_rows.len()
+            )));
+        }
+        let mut row_of = vec![usize::MAX; batch.n_tokens()];
+        for (r, &t) in batch.logit_rows.iter().enumerate() {
+            row_of[t as usize] = r;
+        }
+        let mut out: Vec<Option<RowOut>> = vec![None; picks.len()];
+        let (decodes, prompts): (Vec<usize>, Vec<usize>) =
+            (0..batch.n_seqs()).partition(|&s| batch.seq_tokens(s).len() == 1);
+        // Decodes, up to MAX_DECODE_ROWS sequences a launch.
+        for group in decodes.chunks(MAX_DECODE_ROWS) {
+            let mut sub = ForwardBatch::new(BLOCK_SIZE);
+            let mut origin = Vec::new();
+            for &s in group {
+                let t = batch.seq_tokens(s).start;
+                let r = row_of[t];
+                sub.push(
+                    &batch.tokens[t..t + 1],
+                    batch.positions[t] as usize,
+                    batch.block_table(s),
+                    (r != usize::MAX).then_some(0),
+                );
+                if r != usize::MAX {
+                    origin.push((sub.n_seqs() - 1, r));
+                }
+            }
+            let best = self.decode(&sub)?;
+            for (row, r) in origin {
+                out[r] = Some(self.pick(&Logits::Device { best }, row, &mut picks[r])?);
+            }
+        }
+        // Prompt chunks, in batches of up to MAX_BATCH tokens; a longer chunk goes in
+        // consecutive pieces, each after the one before it.
+        let mut sub = ForwardBatch::new(BLOCK_SIZE);
+        let mut origin: Vec<usize> = Vec::new();
+        for &s in &prompts {
+            let range = batch.seq_tokens(s);
+            let mut i = range.start;
+            while i < range.end {
+                let take = (MAX_BATCH - sub.n_tokens()).min(range.end - i);
+                let wanted: Vec<usize> =
+                    (i..i + take).filter(|&t| row_of[t] != usize::MAX).collect();
+                origin.extend(wanted.iter().map(|&t| row_of[t]));
+                sub.push(
+                    &batch.tokens[i..i + take],
+                    batch.positions[i] as usize,
+                    batch.block_table(s),
+                    wanted.iter().map(|&t| t - i),
+                );
+                i += take;
+                if sub.n_tokens() == MAX_BATCH {
+                    self.flush_prompts(&sub, &origin, picks, &mut out)?;
+                    sub = ForwardBatch::new(BLOCK_SIZE);
+                    origin.clear();
+                }
+            }
+        }
+        if !sub.is_empty() {
+            self.flush_prompts(&sub, &origin, picks, &mut out)?;
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| o.expect("every row picked"))
+            .collect())
+    }
+
+    fn flush_prompts(
+        &mut self,
+        sub: &ForwardBatch,
+        origin: &[usize],
+        picks: &mut [RowPick],
+        out: &mut [Option<RowOut>],
+    ) -> Result<(), CudaError> {
+        let logits = self.prefill(sub)?;
+        for (row, &r) in origin.iter().enumerate() {
+            out[r] = Some(self.pick(&logits, row, &mut picks[r])?);
+        }
+        Ok(())
+    }
+
+    /// Row `row` of `logits`, as `pick` asks.
+    fn pick(
+        &mut self,
+        logits: &Logits,
+        row: usize,
+        pick: &mut RowPick,
+    ) -> Result<RowOut, CudaError> {
+        let nv = self.hp.n_vocab;
+        let host_row = |this: &mut Self| -> Result<Vec<f32>, CudaError> {
+            let mut v = match logits {
+                Logits::Host(h) => return Ok(h[row * nv..(row + 1) * nv].to_vec()),
+                Logits::Device { .. } => this
+                    .dev
+                    .stream
+                    .clone_dtoh(&this.step.logits.slice(row * nv..(row + 1) * nv))?,
+            };
+            this.softcap(&mut v);
+            Ok(v)
+        };
+        let sampler = match pick {
+            RowPick::Logits => return Ok(RowOut::Logits(host_row(self)?)),
+            RowPick::Greedy => None,
+            RowPick::Sample(s) if s.is_plain_greedy() => None,
+            RowPick::Sample(s) => Some(s),
+        };
+        if let Logits::Host(h) = logits {
+            let r = &h[row * nv..(row + 1) * nv];
+            return Ok(RowOut::Token(match sampler {
+                None => crate::sampler::argmax(r),
+                Some(s) => s.sample(r),
+            }));
+        }
+        let Logits::Device { best } = *logits else {
+            unreachable!("host rows returned above")
+        };
+        // A row other than the first is copied to a row of its own for the device picks.
+        if row > 0 {
+            let src = self.step.logits.slice(row * nv..(row + 1) * nv);
+            self.dev.stream.memcpy_dtod(&src, &mut self.step.row)?;
+        }
+        let s = &mut self.step;
+        let buf = if row > 0 { &mut s.row } else { &mut s.logits };
+        let Some(sampler) = sampler else {
+            if !(best && row == 0) {
+                argmax(&self.dev, buf, nv, &mut s.best_parts, &mut s.best)?;
+            }
+            let best = self.dev.stream.clone_dtoh(&s.best)?;
+            return Ok(RowOut::Token(best[0] as u32));
+        };
         // A final soft cap changes the logits' values: the host applies it.
-        let plan = match self.model.final_logit_softcap {
-            None => sampler.device_plan(n_vocab, MAX_CANDIDATES),
+        let plan = match self.softcap {
+            None => sampler.device_plan(nv, MAX_CANDIDATES),
             Some(_) => None,
         };
         let Some(plan) = plan else {
-            let logits = self.forward(&[token], LogitRows::Last)?;
-            return Ok(sampler.sample(&logits));
+            let v = host_row(self)?;
+            return Ok(RowOut::Token(sampler.sample(&v)));
         };
-        self.check_tokens(&[token])?;
-        self.decode_step(token)?;
         let u = sampler.peek_uniform();
-        let s = &mut self.step;
-        match s
-            .sampler
-            .pick(&self.dev, &mut s.logits, n_vocab, &plan, u)?
-        {
+        match s.sampler.pick(&self.dev, buf, nv, &plan, u)? {
             DevicePick::Token { id, drew } => {
                 if drew {
                     sampler.consume_uniform();
                 }
-                Ok(id)
+                Ok(RowOut::Token(id))
             }
             // Every logit infinite or NaN after the adjustments: the sampler's rule for it,
             // on the adjusted logits.
-            DevicePick::NoFinite => Ok(crate::sampler::argmax(&self.step_logits()?)),
+            DevicePick::NoFinite => {
+                let v = self.dev.stream.clone_dtoh(&buf.slice(..nv))?;
+                Ok(RowOut::Token(crate::sampler::argmax(&v)))
+            }
         }
     }
 
-    fn step_logits(&mut self) -> Result<Vec<f32>, CudaError> {
-        let mut logits = self.dev.stream.clone_dtoh(&self.step.logits)?;
-        self.softcap(&mut logits);
-        Ok(logits)
-    }
-
     fn softcap(&self, logits: &mut [f32]) {
-        if let Some(cap) = self.model.final_logit_softcap {
+        if let Some(cap) = self.softcap {
             logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
         }
     }
 
-    /// One decode step at position `len`: by the captured graph, or eagerly.
-    fn decode_step(&mut self, token: u32) -> Result<(), CudaError> {
-        let pos = self.len;
-        let n_split = ops::decode_splits(pos + 1);
-        self.dev
-            .stream
-            .memcpy_htod(&[token as i32, pos as i32], &mut self.step.args)?;
-        if !self.use_graph || self.eager_steps == 0 {
+    /// A decode step of up to MAX_DECODE_ROWS sequences of one token: by the captured
+    /// graph (one sequence), or eagerly. Returns whether the first row's argmax is done.
+    fn decode(&mut self, b: &ForwardBatch) -> Result<bool, CudaError> {
+        let rows = b.n_seqs();
+        let longest = b.context_len.iter().copied().max().unwrap_or(1) as usize;
+        let n_split = ops::decode_splits(longest);
+        self.step.meta.fill(&self.dev, b)?;
+        if !self.use_graph || rows > 1 || self.eager_steps == 0 {
             // The first step runs eagerly: it loads every kernel and surfaces any error
             // outside a capture.
-            self.record_step(n_split)?;
-            self.eager_steps += 1;
-        } else {
-            if self.graph.is_none() {
-                let attention: Vec<_> = [32, 64, 128, 256]
-                    .iter()
-                    .map(|&d| {
-                        Ok(self
-                            .dev
-                            .function("attention", ops::decode_kernel(d))?
-                            .cu_function())
-                    })
-                    .collect::<Result<_, CudaError>>()?;
-                let combine = self
-                    .dev
-                    .function("attention", "attn_combine")?
-                    .cu_function();
-                let (stream, cc) = (self.dev.stream.clone(), self.dev.compute_capability);
-                let graph =
-                    DecodeGraph::capture(&stream, cc, n_split, &attention, combine, || {
-                        self.record_step(n_split)
-                    })?;
-                self.graph = Some(graph);
+            self.record_step(n_split, rows)?;
+            if rows == 1 {
+                self.eager_steps += 1;
             }
-            let graph = self.graph.as_mut().expect("captured above");
-            graph.set_splits(n_split)?;
-            graph.launch()?;
+            return Ok(rows == 1);
         }
-        self.len += 1;
-        Ok(())
+        if self.graph.is_none() {
+            let attention: Vec<_> = [32, 64, 128, 256]
+                .iter()
+                .map(|&d| {
+                    Ok(self
+                        .dev
+                        .function("attention", ops::decode_kernel(d))?
+                        .cu_function())
+                })
+                .collect::<Result<_, CudaError>>()?;
+            let combine = self
+                .dev
+                .function("attention", "attn_combine")?
+                .cu_function();
+            let (stream, cc) = (self.dev.stream.clone(), self.dev.compute_capability);
+            let graph = DecodeGraph::capture(&stream, cc, n_split, &attention, combine, || {
+                self.record_step(n_split, 1)
+            })?;
+            self.graph = Some(graph);
+        }
+        let graph = self.graph.as_mut().expect("captured above");
+        graph.set_splits(n_split)?;
+        graph.launch()?;
+        Ok(true)
     }
 
-    /// Launches the kernels of one decode step (what the graph captures): the token and
-    /// position come from `step.args` on the device.
-    fn record_step(&mut self, n_split: usize) -> Result<(), CudaError> {
-        let m = self.model;
-        let hp = &m.hp;
+    /// Launches the kernels of a decode step of `rows` sequences (what the graph captures
+    /// for one): the batch arrays come from `step.meta` on the device. With one row, the
+    /// argmax of its logits goes to `step.best`.
+    fn record_step(&mut self, n_split: usize, rows: usize) -> Result<(), CudaError> {
+        let hp = &self.hp;
         let dev = &self.dev;
         let s = &mut self.step;
         let e = hp.n_embd;
-        let id = s.args.slice(0..1);
-        let pos = s.args.slice(1..2);
-        let embd_scale = m.embd_scale.unwrap_or(1.0);
-        let te = &self.token_embd;
+        let pool_slots = self.num_blocks * BLOCK_SIZE;
+        let te = &self.w.token_embd;
         let [xa, xb] = &mut s.x;
-        ops::embed_rows(dev, &te.w, te.ty, &id, xa, e, 1, embd_scale)?;
+        ops::embed_rows(
+            dev,
+            &te.w,
+            te.ty,
+            &s.meta.ids(),
+            xa,
+            e,
+            rows,
+            self.embd_scale,
+        )?;
         // The residual stream moves from one buffer to the other at every add.
         let (mut x, mut x_next) = (xa, xb);
         let mut pending = false;
-        for (li, l) in self.layers.iter().enumerate() {
+        let (pos, slots) = (s.meta.pos(), s.meta.slots());
+        let kv = s.meta.paged(rows, BLOCK_SIZE, pool_slots);
+        for (li, l) in self.w.layers.iter().enumerate() {
             let o = pending.then_some(&s.o);
             s.acts
-                .add_norm_quantize(dev, x, o, x_next, &l.attn_norm, 1, hp.rms_eps)?;
+                .add_norm_quantize(dev, x, o, x_next, &l.attn_norm, rows, hp.rms_eps)?;
             std::mem::swap(&mut x, &mut x_next);
             matvecs(
                 dev,
                 &s.acts,
                 e,
+                rows,
                 [(&l.wq, &mut s.q), (&l.wk, &mut s.k), (&l.wv, &mut s.v)],
             )?;
-            Self::qk_extras(dev, l, &mut s.q, &mut s.k, &mut s.v, 1, hp.rms_eps)?;
+            qk_extras(dev, l, &mut s.q, &mut s.k, &mut s.v, rows, hp.rms_eps)?;
             ops::rope_qk_append(
                 dev,
                 &mut s.q,
@@ -700,8 +580,9 @@ impl<'m> GpuDecoder<'m> {
                 &l.attn,
                 &l.rope,
                 &pos,
-                1,
-                self.n_ctx,
+                &slots,
+                rows,
+                pool_slots,
             )?;
             ops::attention_decode(
                 dev,
@@ -711,50 +592,69 @@ impl<'m> GpuDecoder<'m> {
                 &self.v_cache[li],
                 &mut s.part_o,
                 &mut s.part_ml,
-                &pos,
+                &kv,
                 n_split,
             )?;
-            ops::attention_combine(dev, &l.attn, &s.part_o, &s.part_ml, &mut s.acts, n_split)?;
+            ops::attention_combine(
+                dev,
+                &l.attn,
+                &s.part_o,
+                &s.part_ml,
+                &mut s.acts,
+                n_split,
+                rows,
+            )?;
             let wo = &l.wo;
-            mmvq(dev, wo.ty, &wo.w, &s.acts, &mut s.o, wo.n_in, wo.n_out, 1)?;
+            mmvq(
+                dev, wo.ty, &wo.w, &s.acts, &mut s.o, wo.n_in, wo.n_out, rows,
+            )?;
             if let Some(w) = &l.post_attn_norm {
-                ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
+                ops::rms_norm_inplace(dev, &mut s.o, w, rows, hp.rms_eps)?;
             }
             s.acts
-                .add_norm_quantize(dev, x, Some(&s.o), x_next, &l.ffn_norm, 1, hp.rms_eps)?;
+                .add_norm_quantize(dev, x, Some(&s.o), x_next, &l.ffn_norm, rows, hp.rms_eps)?;
             std::mem::swap(&mut x, &mut x_next);
-            let gelu = m.activation == Activation::GeluTanh;
             match &l.ffn {
                 GpuFfn::Dense { gate, up, down } => {
-                    matvecs(dev, &s.acts, e, [(gate, &mut s.g), (up, &mut s.u)])?;
-                    s.acts.gated_quantize(dev, &s.g, &s.u, gate.n_out, gelu)?;
+                    matvecs(dev, &s.acts, e, rows, [(gate, &mut s.g), (up, &mut s.u)])?;
+                    s.acts
+                        .gated_quantize(dev, &s.g, &s.u, rows * gate.n_out, self.gelu)?;
                     mmvq(
-                        dev, down.ty, &down.w, &s.acts, &mut s.o, down.n_in, down.n_out, 1,
+                        dev, down.ty, &down.w, &s.acts, &mut s.o, down.n_in, down.n_out, rows,
                     )?;
                 }
-                GpuFfn::Experts(x) => {
-                    let r = &x.router;
-                    mmvq(dev, r.ty, &r.w, &s.acts, &mut s.moe.router, e, r.n_out, 1)?;
+                GpuFfn::Experts(xp) => {
+                    let r = &xp.router;
+                    mmvq(
+                        dev,
+                        r.ty,
+                        &r.w,
+                        &s.acts,
+                        &mut s.moe.router,
+                        e,
+                        r.n_out,
+                        rows,
+                    )?;
                     moe_ffn(
                         dev,
-                        x,
+                        xp,
                         &mut s.acts,
                         &mut s.g,
                         &mut s.u,
                         &mut s.moe,
                         &mut s.o,
-                        1,
-                        gelu,
+                        rows,
+                        self.gelu,
                     )?;
                 }
             }
             if let Some(w) = &l.post_ffn_norm {
-                ops::rms_norm_inplace(dev, &mut s.o, w, 1, hp.rms_eps)?;
+                ops::rms_norm_inplace(dev, &mut s.o, w, rows, hp.rms_eps)?;
             }
             pending = true;
         }
         let o = pending.then_some(&s.o);
-        let (norm, out) = (&self.output_norm, &self.output);
+        let (norm, out) = (&self.w.output_norm, &self.w.output);
         output_logits(
             dev,
             norm,
@@ -764,278 +664,302 @@ impl<'m> GpuDecoder<'m> {
             x_next,
             &mut s.acts,
             &mut s.logits,
+            rows,
             hp.rms_eps,
         )?;
-        argmax(dev, &s.logits, hp.n_vocab, &mut s.best_parts, &mut s.best)
-    }
-
-    /// Biases and QK-norms of `n` tokens' q, k, v, where the architecture has them.
-    fn qk_extras(
-        dev: &CudaDevice,
-        l: &GpuLayer,
-        q: &mut CudaSlice<f32>,
-        k: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
-        n: usize,
-        eps: f32,
-    ) -> Result<(), CudaError> {
-        for (b, y) in [(&l.bq, &mut *q), (&l.bk, &mut *k), (&l.bv, &mut *v)] {
-            if let Some(b) = b {
-                ops::add_bias(dev, y, b, n * b.len())?;
-            }
-        }
-        let (nh, nkv) = (l.attn.n_head, l.attn.n_head_kv);
-        if let Some(w) = &l.q_norm {
-            ops::rms_norm_inplace(dev, q, w, n * nh, eps)?;
-        }
-        if let Some(w) = &l.k_norm {
-            ops::rms_norm_inplace(dev, k, w, n * nkv, eps)?;
+        if rows == 1 {
+            argmax(dev, &s.logits, hp.n_vocab, &mut s.best_parts, &mut s.best)?;
         }
         Ok(())
     }
 
-    fn batch_buffers(&mut self) -> Result<&mut BatchBuffers, CudaError> {
+    /// A batch of up to MAX_BATCH prompt tokens (chunks of any number of sequences); returns
+    /// the logits of its `logit_rows`.
+    fn prefill(&mut self, b: &ForwardBatch) -> Result<Logits, CudaError> {
         if self.batch.is_none() {
-            let hp = &self.model.hp;
-            let (b, e, hd) = (MAX_BATCH, hp.n_embd, hp.head_dim_k);
-            let f = self.layers.iter().map(|l| l.ffn.width()).max().unwrap_or(1);
-            let has_experts = self.layers.iter().any(|l| l.ffn.experts().is_some());
-            let q_len = hp.n_head * hd;
-            let kv_len = hp.n_head_kv * hd;
-            // Matrices are dequantized in chunks of rows that fit GEMM_SCRATCH weights (at
-            // least one row); smaller models need less.
-            let w_max = self
-                .layers
-                .iter()
-                .flat_map(|l| {
-                    let mut m = vec![&l.wq, &l.wk, &l.wv, &l.wo];
-                    match &l.ffn {
-                        GpuFfn::Dense { gate, up, down } => m.extend([gate, up, down]),
-                        GpuFfn::Experts(x) => m.push(&x.router),
-                    }
-                    m
-                })
-                .chain([&self.output])
-                .map(|w| w.n_in * w.n_out.min(gemm_chunk_rows(GEMM_SCRATCH, w.n_in)))
-                .max()
-                .unwrap_or(0);
-            let s = &self.dev.stream;
-            let buffers = BatchBuffers {
-                ids: s.alloc_zeros(b)?,
-                pos: s.alloc_zeros(1)?,
-                x: s.alloc_zeros(b * e)?,
-                xh: s.alloc_zeros(b * e.max(f).max(q_len))?,
-                q: s.alloc_zeros(b * q_len)?,
-                k: s.alloc_zeros(b * kv_len)?,
-                v: s.alloc_zeros(b * kv_len)?,
-                o: s.alloc_zeros(b * e)?,
-                g: s.alloc_zeros(b * f)?,
-                u: s.alloc_zeros(b * f)?,
-                row_scale: s.alloc_zeros(b)?,
-                w: s.alloc_zeros(w_max)?,
-                gemm: Gemm::new(&self.dev)?,
-                moe_acts: if has_experts {
-                    Some(DeviceActs::new(&self.dev, b * e.max(f).div_ceil(32) * 32)?)
-                } else {
-                    None
-                },
-                moe: MoeBuffers::new(&self.dev, &self.layers, b, e)?,
-                logits: None,
-            };
-            self.buffer_bytes += bytes_of(&buffers.x)
-                + bytes_of(&buffers.xh)
-                + bytes_of(&buffers.q)
-                + 2 * bytes_of(&buffers.k)
-                + bytes_of(&buffers.o)
-                + 2 * bytes_of(&buffers.g)
-                + bytes_of(&buffers.w);
+            let buffers = alloc_batch(&self.dev, &self.w, &self.widths, self.max_blocks)?;
+            self.buffer_bytes += buffers.bytes();
             self.batch = Some(buffers);
         }
-        Ok(self.batch.as_mut().expect("allocated above"))
-    }
-
-    /// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T` through f16 weights: F16 weights as
-    /// they are, any other type dequantized into the scratch buffer first, in chunks of
-    /// rows that fit it.
-    #[allow(clippy::too_many_arguments)]
-    fn linear(
-        dev: &CudaDevice,
-        gemm: &Gemm,
-        scratch: &mut CudaSlice<f16>,
-        w: &GpuLinear,
-        x: &CudaView<f16>,
-        y: &mut CudaSlice<f32>,
-        n: usize,
-    ) -> Result<(), CudaError> {
-        let rb = w.row_bytes();
-        if w.ty == memra_gguf::GgmlType::F16 {
-            let all = w.w.slice(..w.n_out * rb);
-            return gemm.f16_f32(dev, &all, x, y, 0, w.n_out, n, w.n_in, w.n_out);
-        }
-        let chunk = gemm_chunk_rows(scratch.len(), w.n_in);
-        for r0 in (0..w.n_out).step_by(chunk) {
-            let m = chunk.min(w.n_out - r0);
-            let rows = w.w.slice(r0 * rb..(r0 + m) * rb);
-            let mut dq = scratch.slice_mut(..m * w.n_in);
-            ops::dequantize_f16(dev, &rows, w.ty, &mut dq, m, w.n_in)?;
-            let dq = scratch.slice(..m * w.n_in);
-            gemm.f16_f32(dev, &dq, x, y, r0, m, n, w.n_in, w.n_out)?;
-        }
-        Ok(())
-    }
-
-    /// A batch of up to MAX_BATCH tokens at the next positions; returns the logits asked.
-    fn forward_batch(
-        &mut self,
-        tokens: &[u32],
-        wanted: BatchLogits,
-    ) -> Result<Vec<f32>, CudaError> {
-        let n = tokens.len();
-        let pos0 = self.len;
-        self.batch_buffers()?;
-        let m = self.model;
-        let hp = &m.hp;
+        let n = b.n_tokens();
+        let hp = &self.hp;
         let e = hp.n_embd;
         let dev = &self.dev;
-        let b = self.batch.as_mut().expect("allocated above");
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        dev.stream.memcpy_htod(&ids, &mut b.ids)?;
-        dev.stream.memcpy_htod(&[pos0 as i32], &mut b.pos)?;
-        let te = &self.token_embd;
-        let scale = m.embd_scale.unwrap_or(1.0);
-        ops::embed_rows(dev, &te.w, te.ty, &b.ids.slice(..n), &mut b.x, e, n, scale)?;
-        let pos = b.pos.slice(0..1);
+        let bb = self.batch.as_mut().expect("allocated above");
+        bb.meta.fill(dev, b)?;
+        let pool_slots = self.num_blocks * BLOCK_SIZE;
+        let te = &self.w.token_embd;
+        ops::embed_rows(
+            dev,
+            &te.w,
+            te.ty,
+            &bb.meta.ids(),
+            &mut bb.x,
+            e,
+            n,
+            self.embd_scale,
+        )?;
+        let (pos, slots, q_start) = (bb.meta.pos(), bb.meta.slots(), bb.meta.q_start());
+        let kv = bb.meta.paged(b.n_seqs(), BLOCK_SIZE, pool_slots);
+        let longest = (0..b.n_seqs())
+            .map(|s| b.seq_tokens(s).len())
+            .max()
+            .unwrap_or(1);
         let mut pending = false;
-        for (li, l) in self.layers.iter().enumerate() {
-            let o = pending.then_some(&b.o);
-            ops::add_norm_f16(dev, &mut b.x, o, &l.attn_norm, &mut b.xh, n, hp.rms_eps)?;
-            let xh = b.xh.slice(..n * e);
-            Self::linear(dev, &b.gemm, &mut b.w, &l.wq, &xh, &mut b.q, n)?;
-            Self::linear(dev, &b.gemm, &mut b.w, &l.wk, &xh, &mut b.k, n)?;
-            Self::linear(dev, &b.gemm, &mut b.w, &l.wv, &xh, &mut b.v, n)?;
-            Self::qk_extras(dev, l, &mut b.q, &mut b.k, &mut b.v, n, hp.rms_eps)?;
+        for (li, l) in self.w.layers.iter().enumerate() {
+            let o = pending.then_some(&bb.o);
+            ops::add_norm_f16(dev, &mut bb.x, o, &l.attn_norm, &mut bb.xh, n, hp.rms_eps)?;
+            let xh = bb.xh.slice(..n * e);
+            linear(dev, &bb.gemm, &mut bb.w, &l.wq, &xh, &mut bb.q, n)?;
+            linear(dev, &bb.gemm, &mut bb.w, &l.wk, &xh, &mut bb.k, n)?;
+            linear(dev, &bb.gemm, &mut bb.w, &l.wv, &xh, &mut bb.v, n)?;
+            qk_extras(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n, hp.rms_eps)?;
             ops::rope_qk_append(
                 dev,
-                &mut b.q,
-                &b.k,
-                &b.v,
+                &mut bb.q,
+                &bb.k,
+                &bb.v,
                 &mut self.k_cache[li],
                 &mut self.v_cache[li],
                 &l.attn,
                 &l.rope,
                 &pos,
+                &slots,
                 n,
-                pos0 + n,
+                pool_slots,
             )?;
             ops::attention_prefill(
                 dev,
                 &l.attn,
-                &b.q,
+                &bb.q,
                 &self.k_cache[li],
                 &self.v_cache[li],
-                &mut b.xh,
-                &pos,
+                &mut bb.xh,
+                &q_start,
+                &kv,
                 n,
+                longest,
             )?;
-            let xh = b.xh.slice(..n * l.wo.n_in);
-            Self::linear(dev, &b.gemm, &mut b.w, &l.wo, &xh, &mut b.o, n)?;
+            let xh = bb.xh.slice(..n * l.wo.n_in);
+            linear(dev, &bb.gemm, &mut bb.w, &l.wo, &xh, &mut bb.o, n)?;
             if let Some(w) = &l.post_attn_norm {
-                ops::rms_norm_inplace(dev, &mut b.o, w, n, hp.rms_eps)?;
+                ops::rms_norm_inplace(dev, &mut bb.o, w, n, hp.rms_eps)?;
             }
             ops::add_norm_f16(
                 dev,
-                &mut b.x,
-                Some(&b.o),
+                &mut bb.x,
+                Some(&bb.o),
                 &l.ffn_norm,
-                &mut b.xh,
+                &mut bb.xh,
                 n,
                 hp.rms_eps,
             )?;
-            let xh = b.xh.slice(..n * e);
-            let gelu = m.activation == Activation::GeluTanh;
+            let xh = bb.xh.slice(..n * e);
             match &l.ffn {
                 GpuFfn::Dense { gate, up, down } => {
-                    Self::linear(dev, &b.gemm, &mut b.w, gate, &xh, &mut b.g, n)?;
-                    Self::linear(dev, &b.gemm, &mut b.w, up, &xh, &mut b.u, n)?;
+                    linear(dev, &bb.gemm, &mut bb.w, gate, &xh, &mut bb.g, n)?;
+                    linear(dev, &bb.gemm, &mut bb.w, up, &xh, &mut bb.u, n)?;
                     let f = gate.n_out;
-                    ops::gated_f16(dev, &b.g, &b.u, &mut b.xh, &mut b.row_scale, n, f, gelu)?;
-                    let xh = b.xh.slice(..n * f);
-                    Self::linear(dev, &b.gemm, &mut b.w, down, &xh, &mut b.o, n)?;
-                    ops::scale_rows(dev, &mut b.o, &b.row_scale, n, e)?;
+                    ops::gated_f16(
+                        dev,
+                        &bb.g,
+                        &bb.u,
+                        &mut bb.xh,
+                        &mut bb.row_scale,
+                        n,
+                        f,
+                        self.gelu,
+                    )?;
+                    let xh = bb.xh.slice(..n * f);
+                    linear(dev, &bb.gemm, &mut bb.w, down, &xh, &mut bb.o, n)?;
+                    ops::scale_rows(dev, &mut bb.o, &bb.row_scale, n, e)?;
                 }
-                GpuFfn::Experts(x) => {
+                GpuFfn::Experts(xp) => {
                     // Experts through the decode kernels, every token's chosen experts in
                     // one launch per projection (no grouped GEMM yet: each token reads its
                     // experts' weights). The router is a GEMM on the f16 rows.
-                    Self::linear(dev, &b.gemm, &mut b.w, &x.router, &xh, &mut b.moe.router, n)?;
-                    let acts = b.moe_acts.as_mut().expect("allocated with expert layers");
-                    // The normed rows again, as int8 (b.o is free: it takes a copy of x).
-                    acts.add_norm_quantize(dev, &b.x, None, &mut b.o, &l.ffn_norm, n, hp.rms_eps)?;
+                    linear(
+                        dev,
+                        &bb.gemm,
+                        &mut bb.w,
+                        &xp.router,
+                        &xh,
+                        &mut bb.moe.router,
+                        n,
+                    )?;
+                    let acts = bb.moe_acts.as_mut().expect("allocated with expert layers");
+                    // The normed rows again, as int8 (bb.o is free: it takes a copy of x).
+                    acts.add_norm_quantize(
+                        dev,
+                        &bb.x,
+                        None,
+                        &mut bb.o,
+                        &l.ffn_norm,
+                        n,
+                        hp.rms_eps,
+                    )?;
                     moe_ffn(
-                        dev, x, acts, &mut b.g, &mut b.u, &mut b.moe, &mut b.o, n, gelu,
+                        dev,
+                        xp,
+                        acts,
+                        &mut bb.g,
+                        &mut bb.u,
+                        &mut bb.moe,
+                        &mut bb.o,
+                        n,
+                        self.gelu,
                     )?;
                 }
             }
             if let Some(w) = &l.post_ffn_norm {
-                ops::rms_norm_inplace(dev, &mut b.o, w, n, hp.rms_eps)?;
+                ops::rms_norm_inplace(dev, &mut bb.o, w, n, hp.rms_eps)?;
             }
             pending = true;
         }
-        self.len += n;
-        let out = &self.output;
-        let nv = hp.n_vocab;
-        let want = match wanted {
-            BatchLogits::None => return Ok(Vec::new()),
-            BatchLogits::From(k) => k,
-            BatchLogits::Last => {
-                // The last row alone, through the decode kernels (no dequantized output
-                // matrix): its residual stream into the step buffers.
-                let s = &mut self.step;
-                let last = (n - 1) * e..n * e;
-                let [xa, xb] = &mut s.x;
-                dev.stream.memcpy_dtod(&b.x.slice(last.clone()), xa)?;
-                dev.stream.memcpy_dtod(&b.o.slice(last), &mut s.o)?;
-                let o = pending.then_some(&s.o);
-                let norm = &self.output_norm;
-                output_logits(
-                    dev,
-                    norm,
-                    out,
-                    xa,
-                    o,
-                    xb,
-                    &mut s.acts,
-                    &mut s.logits,
-                    hp.rms_eps,
-                )?;
-                return self.step_logits();
-            }
-        };
-        let rows = n - want;
-        let o = pending.then_some(&b.o);
-        ops::add_norm_f16(
-            dev,
-            &mut b.x,
-            o,
-            &self.output_norm,
-            &mut b.xh,
-            n,
-            hp.rms_eps,
-        )?;
-        if b.logits.as_ref().is_none_or(|l| l.len() < rows * nv) {
-            b.logits = Some(dev.stream.alloc_zeros(rows * nv)?);
-            self.buffer_bytes += rows * nv * 4;
+        let rows: Vec<usize> = b.logit_rows.iter().map(|&r| r as usize).collect();
+        if rows.is_empty() {
+            return Ok(Logits::Host(Vec::new()));
         }
-        let logits = b.logits.as_mut().expect("allocated above");
-        let xh = b.xh.slice(want * e..n * e);
-        Self::linear(dev, &b.gemm, &mut b.w, out, &xh, logits, rows)?;
-        let mut host = dev.stream.clone_dtoh(&logits.slice(..rows * nv))?;
+        let o = pending.then_some(&bb.o);
+        let (norm, out) = (&self.w.output_norm, &self.w.output);
+        if rows.len() <= MAX_DECODE_ROWS {
+            // Few rows: their residual streams into the step buffers and the decode
+            // kernels (no dequantized output matrix).
+            let s = &mut self.step;
+            for (i, &r) in rows.iter().enumerate() {
+                let (src, dst) = (r * e..(r + 1) * e, i * e..(i + 1) * e);
+                dev.stream
+                    .memcpy_dtod(&bb.x.slice(src.clone()), &mut s.x[0].slice_mut(dst.clone()))?;
+                if pending {
+                    dev.stream
+                        .memcpy_dtod(&bb.o.slice(src), &mut s.o.slice_mut(dst))?;
+                }
+            }
+            let [xa, xb] = &mut s.x;
+            let o = pending.then_some(&s.o);
+            output_logits(
+                dev,
+                norm,
+                out,
+                xa,
+                o,
+                xb,
+                &mut s.acts,
+                &mut s.logits,
+                rows.len(),
+                hp.rms_eps,
+            )?;
+            return Ok(Logits::Device { best: false });
+        }
+        ops::add_norm_f16(dev, &mut bb.x, o, norm, &mut bb.xh, n, hp.rms_eps)?;
+        // The rows' normed activations together, consecutive rows in one copy.
+        let mut i = 0;
+        while i < rows.len() {
+            let mut j = i + 1;
+            while j < rows.len() && rows[j] == rows[j - 1] + 1 {
+                j += 1;
+            }
+            let (src, dst) = (rows[i] * e..(rows[j - 1] + 1) * e, i * e..j * e);
+            dev.stream
+                .memcpy_dtod(&bb.xh.slice(src), &mut bb.xh_rows.slice_mut(dst))?;
+            i = j;
+        }
+        let (r, nv) = (rows.len(), hp.n_vocab);
+        if bb.logits.as_ref().is_none_or(|l| l.len() < r * nv) {
+            bb.logits = Some(dev.stream.alloc_zeros(r * nv)?);
+            self.buffer_bytes += r * nv * 4;
+        }
+        let logits = bb.logits.as_mut().expect("allocated above");
+        let xh = bb.xh_rows.slice(..r * e);
+        linear(dev, &bb.gemm, &mut bb.w, out, &xh, logits, r)?;
+        let mut host = dev.stream.clone_dtoh(&logits.slice(..r * nv))?;
         self.softcap(&mut host);
-        Ok(host)
+        Ok(Logits::Host(host))
     }
 }
 
-/// The output head of one token: `x + o` (o when given) into `x_out`, the final norm,
+/// The prompt batches' buffers: the largest dequantized weight chunk sizes the scratch.
+fn alloc_batch(
+    dev: &CudaDevice,
+    w: &GpuWeights,
+    widths: &Widths,
+    max_blocks: usize,
+) -> Result<BatchBuffers, CudaError> {
+    // Matrices are dequantized in chunks of rows that fit GEMM_SCRATCH weights (at least
+    // one row); smaller models need less.
+    let w_max = w
+        .layers
+        .iter()
+        .flat_map(|l| {
+            let mut m = vec![&l.wq, &l.wk, &l.wv, &l.wo];
+            match &l.ffn {
+                GpuFfn::Dense { gate, up, down } => m.extend([gate, up, down]),
+                GpuFfn::Experts(x) => m.push(&x.router),
+            }
+            m
+        })
+        .chain([&w.output])
+        .map(|w| w.n_in * w.n_out.min(gemm_chunk_rows(GEMM_SCRATCH, w.n_in)))
+        .max()
+        .unwrap_or(0);
+    BatchBuffers::new(dev, &w.layers, widths, max_blocks, w_max)
+}
+
+/// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T` through f16 weights: F16 weights as they
+/// are, any other type dequantized into the scratch buffer first, in chunks of rows that
+/// fit it.
+fn linear(
+    dev: &CudaDevice,
+    gemm: &Gemm,
+    scratch: &mut CudaSlice<f16>,
+    w: &GpuLinear,
+    x: &CudaView<f16>,
+    y: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let rb = w.row_bytes();
+    if w.ty == memra_gguf::GgmlType::F16 {
+        let all = w.w.slice(..w.n_out * rb);
+        return gemm.f16_f32(dev, &all, x, y, 0, w.n_out, n, w.n_in, w.n_out);
+    }
+    let chunk = gemm_chunk_rows(scratch.len(), w.n_in);
+    for r0 in (0..w.n_out).step_by(chunk) {
+        let m = chunk.min(w.n_out - r0);
+        let rows = w.w.slice(r0 * rb..(r0 + m) * rb);
+        let mut dq = scratch.slice_mut(..m * w.n_in);
+        ops::dequantize_f16(dev, &rows, w.ty, &mut dq, m, w.n_in)?;
+        let dq = scratch.slice(..m * w.n_in);
+        gemm.f16_f32(dev, &dq, x, y, r0, m, n, w.n_in, w.n_out)?;
+    }
+    Ok(())
+}
+
+/// Biases and QK-norms of `n` tokens' q, k, v, where the architecture has them.
+fn qk_extras(
+    dev: &CudaDevice,
+    l: &GpuLayer,
+    q: &mut CudaSlice<f32>,
+    k: &mut CudaSlice<f32>,
+    v: &mut CudaSlice<f32>,
+    n: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    for (b, y) in [(&l.bq, &mut *q), (&l.bk, &mut *k), (&l.bv, &mut *v)] {
+        if let Some(b) = b {
+            ops::add_bias(dev, y, b, n * b.len())?;
+        }
+    }
+    let (nh, nkv) = (l.attn.n_head, l.attn.n_head_kv);
+    if let Some(w) = &l.q_norm {
+        ops::rms_norm_inplace(dev, q, w, n * nh, eps)?;
+    }
+    if let Some(w) = &l.k_norm {
+        ops::rms_norm_inplace(dev, k, w, n * nkv, eps)?;
+    }
+    Ok(())
+}
+
+/// The output head of `rows` tokens: `x + o` (o when given) into `x_out`, the final norm,
 /// and the logits by the decode matvec.
 #[allow(clippy::too_many_arguments)]
 fn output_logits(
@@ -1047,10 +971,11 @@ fn output_logits(
     x_out: &mut CudaSlice<f32>,
     acts: &mut DeviceActs,
     logits: &mut CudaSlice<f32>,
+    rows: usize,
     eps: f32,
 ) -> Result<(), CudaError> {
-    acts.add_norm_quantize(dev, x, o, x_out, norm, 1, eps)?;
-    mmvq(dev, out.ty, &out.w, acts, logits, out.n_in, out.n_out, 1)
+    acts.add_norm_quantize(dev, x, o, x_out, norm, rows, eps)?;
+    mmvq(dev, out.ty, &out.w, acts, logits, out.n_in, out.n_out, rows)
 }
 
 /// A mixture-of-experts FFN for `n` tokens whose router logits are in `moe.router` and
@@ -1087,34 +1012,30 @@ fn moe_ffn(
     ops::moe_combine(dev, &moe.y, &moe.weights, o, n, k, x.down.n_out)
 }
 
-/// Decode products of `N` matrices with the same input: those of one weight type share a
-/// launch (q, k and v; gate and up), so small matrices do not leave the GPU idle.
+/// Decode products of `N` matrices with the same input (`rows` tokens): those of one
+/// weight type share a launch (q, k and v; gate and up), so small matrices do not leave
+/// the GPU idle.
 fn matvecs<const N: usize>(
     dev: &CudaDevice,
     acts: &DeviceActs,
     ncols: usize,
+    rows: usize,
     mats: [(&GpuLinear, &mut CudaSlice<f32>); N],
 ) -> Result<(), CudaError> {
     let mut pending: Vec<(&GpuLinear, &mut CudaSlice<f32>)> = mats.into_iter().collect();
     while let Some(ty) = pending.first().map(|(w, _)| w.ty) {
         let (same, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|(w, _)| w.ty == ty);
         let mut set: Vec<_> = same.into_iter().map(|(w, y)| (&w.w, y, w.n_out)).collect();
-        mmvq_set(dev, ty, &mut set, acts, ncols, 1)?;
+        mmvq_set(dev, ty, &mut set, acts, ncols, rows)?;
         pending = rest;
     }
     Ok(())
 }
 
-/// Which logits a prompt batch returns.
-enum BatchLogits {
-    None,
-    Last,
-    /// Rows from this index of the batch on.
-    From(usize),
-}
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::{RowOut, RowPick};
     use crate::generate::{perplexity, CpuRunner, Runner};
     use crate::models::Model;
 
@@ -1402,5 +1323,178 @@ mod tests {
         gpu.forward(&[1, 2, 3, 4], LogitRows::Last).unwrap();
         let err = gpu.forward(&[1], LogitRows::Last).unwrap_err();
         assert!(err.to_string().contains("context is full"), "{err}");
+    }
+
+    /// Greedy tokens of `prompt` by the one-context API, stopping at end-of-generation.
+    fn gpu_alone(gpu: &mut GpuDecoder, model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+        gpu.reset();
+        let mut next = crate::sampler::argmax(&gpu.forward(prompt, LogitRows::Last).unwrap());
+        let mut out = Vec::new();
+        while out.len() < n && !model.tokenizer.is_end_of_generation(next) {
+            out.push(next);
+            if out.len() < n {
+                next = gpu.forward_greedy(next).unwrap();
+            }
+        }
+        out
+    }
+
+    const PROMPTS: [&str; 6] = [
+        "Hello",
+        "The capital of France is",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who \
+         every morning rowed out before dawn and came back with the tide.",
+        "1, 2, 3, 4, 5,",
+        "// Binary search in C\nint search(int *a, int n, int x) {",
+    ];
+
+    /// The serving engine on the GPU: six different prompts batched give each the greedy
+    /// tokens it gives alone (the one-context API), with whole prompts in a step, prompts
+    /// chunked by small budgets, prefix-cache hits, and a pool small enough to force
+    /// preemption; per-row logits of batched prompt rows and decode rows agree with the
+    /// single-sequence ones.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
+    fn gpu_engine_batches_equal_alone() {
+        use crate::engine::{
+            Engine, EngineConfig, Event, GenerationParams, GpuBatchRunner, Request,
+        };
+        use crate::scheduler::SchedulerConfig;
+        use std::sync::Arc;
+        let mut failures = Vec::new();
+        for path in test_models() {
+            let model = Arc::new(Model::load(std::path::Path::new(&path)).unwrap());
+            let n = 12;
+            let ctx = 512;
+            let prompts: Vec<Vec<u32>> = PROMPTS
+                .iter()
+                .map(|p| model.tokenizer.encode(p, true, true).unwrap())
+                .collect();
+            let mut gpu = GpuDecoder::new(0, &model.decoder, ctx).unwrap();
+            let want: Vec<Vec<u32>> = prompts
+                .iter()
+                .map(|p| gpu_alone(&mut gpu, &model, p, n))
+                .collect();
+            // Per-row logits: three prompts in one prompt batch, then one decode step of the
+            // three, against each alone.
+            let nv = model.decoder.hp.n_vocab;
+            let mut alone_rows = Vec::new();
+            for p in &prompts[..3] {
+                gpu.reset();
+                let first = gpu.forward(p, LogitRows::Last).unwrap();
+                let next = crate::sampler::argmax(&first);
+                let second = gpu.forward(&[next], LogitRows::Last).unwrap();
+                alone_rows.push((first, next, second));
+            }
+            let mut pool =
+                GpuDecoder::with_pool(0, &model.decoder, ctx, PoolSize::Tokens(3 * ctx)).unwrap();
+            let per = ctx / BLOCK_SIZE;
+            let tables: Vec<Vec<u32>> = (0..3)
+                .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
+                .collect();
+            let mut b = ForwardBatch::new(BLOCK_SIZE);
+            for (s, p) in prompts[..3].iter().enumerate() {
+                b.push(p, 0, &tables[s], [p.len() - 1]);
+            }
+            let mut picks: Vec<RowPick> = (0..3).map(|_| RowPick::Logits).collect();
+            let firsts = pool.forward_step(&b, &mut picks).unwrap();
+            let mut d = ForwardBatch::new(BLOCK_SIZE);
+            for (s, p) in prompts[..3].iter().enumerate() {
+                d.push(&[alone_rows[s].1], p.len(), &tables[s], [0]);
+            }
+            let mut picks: Vec<RowPick> = (0..3).map(|_| RowPick::Logits).collect();
+            let seconds = pool.forward_step(&d, &mut picks).unwrap();
+            for s in 0..3 {
+                for (what, got, want) in [
+                    ("prompt row", &firsts[s], &alone_rows[s].0),
+                    ("decode row", &seconds[s], &alone_rows[s].2),
+                ] {
+                    let RowOut::Logits(got) = got else {
+                        panic!("logits asked")
+                    };
+                    let diff = rms(got.iter().zip(want.iter()).map(|(a, b)| f64::from(a - b)));
+                    let scale = rms(want.iter().map(|&a| f64::from(a)));
+                    eprintln!("{path}: sequence {s} {what}: batched vs alone RMS difference {:.2e} (logits RMS {scale:.2})", diff);
+                    if diff > 1e-3 * scale.max(1.0) {
+                        failures.push(format!(
+                            "{path}: sequence {s} {what}: batched logits differ by {diff:.3e} RMS"
+                        ));
+                    }
+                    assert_eq!(got.len(), nv);
+                }
+            }
+            drop(pool);
+            drop(gpu);
+            let run = |kv_tokens: usize,
+                       budget: usize,
+                       label: &str,
+                       failures: &mut Vec<String>|
+             -> usize {
+                let gpu =
+                    GpuDecoder::with_pool(0, &model.decoder, ctx, PoolSize::Tokens(kv_tokens))
+                        .unwrap();
+                let engine = Engine::start(
+                    model.clone(),
+                    Box::new(GpuBatchRunner::new(gpu)),
+                    EngineConfig {
+                        scheduler: SchedulerConfig {
+                            max_running: 8,
+                            token_budget: budget,
+                        },
+                        n_ctx: ctx,
+                    },
+                );
+                let handles: Vec<_> = prompts
+                    .iter()
+                    .map(|p| {
+                        let mut params = GenerationParams {
+                            max_tokens: n,
+                            ..GenerationParams::default()
+                        };
+                        params.sampler.temperature = 0.0;
+                        engine
+                            .submit(Request {
+                                prompt: p.clone(),
+                                params,
+                            })
+                            .unwrap()
+                    })
+                    .collect();
+                let mut preemptions = 0;
+                for (i, h) in handles.into_iter().enumerate() {
+                    let mut ids = Vec::new();
+                    for ev in h {
+                        match ev {
+                            Event::Token(t) => ids.push(t.id),
+                            Event::Finished { usage, .. } => preemptions += usage.preemptions,
+                            Event::Error(e) => panic!("{path}: {e}"),
+                            Event::PromptScores(_) => {}
+                        }
+                    }
+                    if ids != want[i] {
+                        failures.push(format!(
+                            "{path} {label}: prompt {i}: batched {ids:?}, alone {:?}",
+                            want[i]
+                        ));
+                    }
+                }
+                preemptions
+            };
+            run(8 * ctx, 2048, "budget 2048", &mut failures);
+            run(8 * ctx, 5, "budget 5", &mut failures);
+            run(8 * ctx, 17, "budget 17", &mut failures);
+            // Exactly the prompts' blocks (every prompt admitted in the first step), or the
+            // longest request's: sequences growing into a new block find none free.
+            let longest = prompts.iter().map(|p| p.len()).max().unwrap() + n;
+            let prompt_blocks: usize = prompts.iter().map(|p| p.len().div_ceil(BLOCK_SIZE)).sum();
+            let small = prompt_blocks.max(longest.div_ceil(BLOCK_SIZE)) * BLOCK_SIZE;
+            let preempted = run(small, 2048, "small pool", &mut failures);
+            eprintln!("{path}: batched runs done ({preempted} preemptions in the small pool)");
+            if preempted == 0 {
+                failures.push(format!("{path}: the small pool forced no preemption"));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }

@@ -24,8 +24,8 @@ use super::CudaError;
 
 /// Arguments of `attn_decode_d*` and `attn_combine` (cu/attention.cu): their count and the
 /// index of `n_split`.
-const DECODE_ARGS: usize = 11;
-const DECODE_SPLIT_ARG: usize = 10;
+const DECODE_ARGS: usize = 14;
+const DECODE_SPLIT_ARG: usize = 13;
 const COMBINE_ARGS: usize = 9;
 const COMBINE_SPLIT_ARG: usize = 8;
 
@@ -42,6 +42,12 @@ pub struct DecodeGraph {
     attention: Vec<(KernelNode, KernelNode)>,
     n_split: usize,
 }
+
+// SAFETY: the graph's handles belong to the driver and may be used from any thread whose
+// current context is the decoder's (the engine thread binds it before its first step); the
+// node parameters point at the driver's copies of the captured arguments, which live as
+// long as the graph. A DecodeGraph has one owner at a time (it is not Sync).
+unsafe impl Send for DecodeGraph {}
 
 fn check(r: sys::CUresult) -> Result<(), CudaError> {
     r.result().map_err(CudaError::Driver)

@@ -3,10 +3,12 @@
 //! one architecture; the engine refuses a GPU of another architecture with a clear message
 //! rather than failing at the first launch.
 //!
-//! Model execution is `decoder`; its parts: `matvec` (decode products on quantized
-//! weights), `gemm` (prompt products through cuBLAS), `ops` (the other kernels' launches),
-//! `graph` (the captured decode step).
+//! Model execution is `decoder`; its parts: `weights` (the upload), `buffers` (the step's
+//! device buffers), `matvec` (decode products on quantized weights), `gemm` (prompt
+//! products through cuBLAS), `ops` (the other kernels' launches), `graph` (the captured
+//! decode step).
 
+mod buffers;
 pub mod decoder;
 pub mod gemm;
 pub mod graph;
@@ -14,6 +16,7 @@ pub mod matvec;
 pub mod ops;
 pub mod probe;
 pub mod sampling;
+mod weights;
 
 use std::sync::Arc;
 

@@ -124,9 +124,47 @@ impl AttentionShape {
 /// Query heads per kv head the decode kernel handles (`MAX_GROUP` in attention.cu).
 const MAX_GROUP: usize = 8;
 
-/// RoPE on `q` (in place) and `k` for `n_tok` tokens at positions `*pos ..`, then `k` and
-/// `v` into their f16 cache rows. `q`: n_tok x n_head x head_dim, `k`: n_tok x n_head_kv x
-/// head_dim, `v` likewise; `pos` is one i32 on the device (a graph replays it).
+/// Where the sequences of a step keep their keys and values in the paged pool, on the
+/// device: per sequence its context length after the step and its block table, padded to
+/// `max_blocks` entries (entries past a sequence's blocks are never read).
+pub struct PagedKv<'a> {
+    pub ctx_len: CudaView<'a, i32>,
+    pub block_tables: CudaView<'a, i32>,
+    pub max_blocks: usize,
+    /// Positions per block: a power of two, at least 16.
+    pub block_size: usize,
+    pub n_seqs: usize,
+    /// Slots in the pool (bounds what a block table may point at).
+    pub pool_slots: usize,
+}
+
+impl PagedKv<'_> {
+    /// Checks the layout against the pool; returns log2 of the block size.
+    fn check(
+        &self,
+        kv_row: usize,
+        k_cache: &CudaSlice<f16>,
+        v_cache: &CudaSlice<f16>,
+    ) -> Result<i32, CudaError> {
+        check(
+            // The decode kernel finds a 32-key step's slots in at most three blocks.
+            self.block_size.is_power_of_two()
+                && self.block_size >= 16
+                && self.ctx_len.len() >= self.n_seqs
+                && self.block_tables.len() >= self.n_seqs * self.max_blocks
+                && k_cache.len() >= self.pool_slots * kv_row
+                && v_cache.len() >= self.pool_slots * kv_row
+                && self.n_seqs > 0,
+            "paged attention: layout",
+        )?;
+        Ok(self.block_size.trailing_zeros() as i32)
+    }
+}
+
+/// RoPE on `q` (in place) and `k` for `n_tok` tokens, token `t` at position `pos[t]`, then
+/// `k` and `v` into pool row `slot[t]`. `q`: n_tok x n_head x head_dim, `k`: n_tok x
+/// n_head_kv x head_dim, `v` likewise; `pos` and `slot` are `n_tok` i32 on the device (a
+/// graph replays them), each slot below `pool_slots`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_qk_append(
     dev: &CudaDevice,
@@ -138,19 +176,21 @@ pub fn rope_qk_append(
     shape: &AttentionShape,
     r: &DeviceRope,
     pos: &CudaView<i32>,
+    slot: &CudaView<i32>,
     n_tok: usize,
-    max_pos: usize,
+    pool_slots: usize,
 ) -> Result<(), CudaError> {
     let (nh, nkv, dk) = (shape.n_head, shape.n_head_kv, shape.head_dim);
     check(
         q.len() >= n_tok * nh * dk
             && k.len() >= n_tok * nkv * dk
             && v.len() >= n_tok * nkv * dk
-            && k_cache.len() >= max_pos * nkv * dk
-            && v_cache.len() >= max_pos * nkv * dk
+            && k_cache.len() >= pool_slots * nkv * dk
+            && v_cache.len() >= pool_slots * nkv * dk
             && r.n_dims <= dk
             && r.n_dims % 2 == 0
-            && !pos.is_empty(),
+            && pos.len() >= n_tok
+            && slot.len() >= n_tok,
         "rope_qk_append: shapes",
     )?;
     let f = dev.function("rope", "rope_qk_append")?;
@@ -161,7 +201,7 @@ pub fn rope_qk_append(
     let null: u64 = 0;
     let mut cfg = grid_1d(n);
     cfg.grid_dim.1 = n_tok as u32;
-    // SAFETY: the caller keeps *pos + n_tok <= max_pos, the cache length checked above;
+    // SAFETY: the caller keeps every slot below pool_slots, the pool length checked above;
     // every other index is within the shapes checked.
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
@@ -169,7 +209,7 @@ pub fn rope_qk_append(
         for i in &ints {
             b.arg(i);
         }
-        b.arg(pos).arg(&r.base).arg(&r.freq_scale);
+        b.arg(pos).arg(slot).arg(&r.base).arg(&r.freq_scale);
         match &r.freq_factors {
             Some(ff) => b.arg(ff),
             None => b.arg(&null),
@@ -182,18 +222,20 @@ pub fn rope_qk_append(
 /// Keys per split of the decode attention: one 32-key step per warp of the block's two
 /// (enough work to hide the merge), and short contexts still spread over several blocks.
 pub const KEYS_PER_SPLIT: usize = 64;
-/// The most splits (the partial buffers hold this many): 64 x 8 kv heads fill the H200's
-/// 132 SMs several times over at long contexts.
-pub const MAX_SPLITS: usize = 64;
+/// The most splits (the partial buffers hold this many per sequence, `MAX_SPLITS` in
+/// attention.cu): 64-key splits up to depth 8,192 (the kernel rounds a split's share up to
+/// 32 keys: at depth 4,096, 64 splits left a third of them empty, 65 do not).
+pub const MAX_SPLITS: usize = 128;
 
-/// Splits for a decode step over `n_kv` visible positions.
+/// Splits for a decode step over `n_kv` visible positions (the longest sequence's).
 pub fn decode_splits(n_kv: usize) -> usize {
     n_kv.div_ceil(KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
 
-/// Decode attention, first half: block (kv head, split) writes its partial result for the
-/// query heads of its group into `part_o` (splits x n_head x head_dim) and `part_ml`
-/// (splits x n_head x 2). The query is at position `*pos`.
+/// Decode attention, first half, for one query of each of `kv.n_seqs` sequences: block
+/// (kv head, split, sequence) writes its partial result for the query heads of its group
+/// into `part_o` (sequences x MAX_SPLITS x n_head x head_dim) and `part_ml` (sequences x
+/// MAX_SPLITS x n_head x 2). `q` is sequences x n_head x head_dim.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode(
     dev: &CudaDevice,
@@ -203,43 +245,49 @@ pub fn attention_decode(
     v_cache: &CudaSlice<f16>,
     part_o: &mut CudaSlice<f32>,
     part_ml: &mut CudaSlice<f32>,
-    pos: &CudaView<i32>,
+    kv: &PagedKv,
     n_split: usize,
 ) -> Result<(), CudaError> {
     s.supported()?;
+    let bs_log2 = kv.check(s.n_head_kv * s.head_dim, k_cache, v_cache)?;
+    let n = kv.n_seqs;
     check(
-        q.len() >= s.n_head * s.head_dim
+        q.len() >= n * s.n_head * s.head_dim
             && (1..=MAX_SPLITS).contains(&n_split)
-            && part_o.len() >= MAX_SPLITS * s.n_head * s.head_dim
-            && part_ml.len() >= MAX_SPLITS * s.n_head * 2
-            && k_cache.len() == v_cache.len(),
+            && part_o.len() >= n * MAX_SPLITS * s.n_head * s.head_dim
+            && part_ml.len() >= n * MAX_SPLITS * s.n_head * 2,
         "attention_decode: shapes",
     )?;
     let f = dev.function("attention", decode_kernel(s.head_dim))?;
     // Two warps (DECODE_WARPS in attention.cu).
     let cfg = LaunchConfig {
-        grid_dim: (s.n_head_kv as u32, n_split as u32, 1),
+        grid_dim: (s.n_head_kv as u32, n_split as u32, n as u32),
         block_dim: (64, 1, 1),
         shared_mem_bytes: 0,
     };
-    let ints = [s.n_head, s.n_head_kv, s.window].map(|v| v as i32);
+    let ints = [
+        kv.max_blocks as i32,
+        bs_log2,
+        s.n_head as i32,
+        s.n_head_kv as i32,
+        s.window as i32,
+    ];
     let ns = n_split as i32;
-    // SAFETY: shapes checked above; the caller keeps *pos below the cache's positions.
+    // SAFETY: shapes checked above; the caller keeps each context length within its
+    // sequence's blocks and every block below the pool's.
     unsafe {
-        dev.stream
-            .launch_builder(&f)
-            .arg(q)
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(q)
             .arg(k_cache)
             .arg(v_cache)
             .arg(part_o)
             .arg(part_ml)
-            .arg(pos)
-            .arg(&ints[0])
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&s.scale)
-            .arg(&ns)
-            .launch(cfg)?;
+            .arg(&kv.ctx_len)
+            .arg(&kv.block_tables);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&s.scale).arg(&ns).launch(cfg)?;
     }
     Ok(())
 }
@@ -253,8 +301,8 @@ pub fn decode_kernel(head_dim: usize) -> &'static str {
     }
 }
 
-/// Decode attention, second half: merges the splits into the attention output, quantized
-/// for the output projection into `acts`.
+/// Decode attention, second half: merges the splits of `n_seqs` sequences into their
+/// attention outputs (a row per sequence), quantized for the output projection into `acts`.
 pub fn attention_combine(
     dev: &CudaDevice,
     s: &AttentionShape,
@@ -262,11 +310,13 @@ pub fn attention_combine(
     part_ml: &CudaSlice<f32>,
     acts: &mut DeviceActs,
     n_split: usize,
+    n_seqs: usize,
 ) -> Result<(), CudaError> {
-    attention_combine_into(dev, s, part_o, part_ml, None, acts, n_split)
+    attention_combine_into(dev, s, part_o, part_ml, None, acts, n_split, n_seqs)
 }
 
 /// [`attention_combine`], also writing the f32 output into `out` when given.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_combine_into(
     dev: &CudaDevice,
     s: &AttentionShape,
@@ -275,20 +325,24 @@ pub fn attention_combine_into(
     out: Option<&mut CudaSlice<f32>>,
     acts: &mut DeviceActs,
     n_split: usize,
+    n_seqs: usize,
 ) -> Result<(), CudaError> {
-    let len = s.n_head * s.head_dim;
+    let len = n_seqs * s.n_head * s.head_dim;
     check(
         acts.q.len() >= len
             && (1..=MAX_SPLITS).contains(&n_split)
+            && part_o.len() >= n_seqs * MAX_SPLITS * s.n_head * s.head_dim
+            && part_ml.len() >= n_seqs * MAX_SPLITS * s.n_head * 2
             && out.as_ref().is_none_or(|o| o.len() >= len),
         "attention_combine: shapes",
     )?;
     let f = dev.function("attention", "attn_combine")?;
     // SPLIT_GROUPS (4) threads per dimension (attention.cu).
-    let cfg = blocks(s.n_head, 4 * s.head_dim as u32);
+    let mut cfg = blocks(s.n_head, 4 * s.head_dim as u32);
+    cfg.grid_dim.1 = n_seqs as u32;
     let (nh, d, ns, null) = (s.n_head as i32, s.head_dim as i32, n_split as i32, 0u64);
-    // SAFETY: n_split x n_head x head_dim partials (checked by attention_decode's sizes);
-    // n_head x head_dim quantized outputs (checked above).
+    // SAFETY: n_seqs x MAX_SPLITS x n_head x head_dim partials and n_seqs x n_head x
+    // head_dim outputs (checked above).
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
         b.arg(part_o).arg(part_ml);
@@ -307,8 +361,10 @@ pub fn attention_combine_into(
     Ok(())
 }
 
-/// Prompt attention: `n_q` queries at positions `*pos ..` over the cache (which already
-/// holds their keys and values); `out` is f16, n_q x n_head x head_dim.
+/// Prompt attention for the chunks of `kv.n_seqs` sequences: sequence `s` has the queries
+/// (rows of `q`) `q_start[s]..q_start[s + 1]`, at its last positions (the pool already holds
+/// their keys and values); `longest` is the most queries of one sequence. `out` is f16, a
+/// row of n_head x head_dim per query.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_prefill(
     dev: &CudaDevice,
@@ -317,13 +373,19 @@ pub fn attention_prefill(
     k_cache: &CudaSlice<f16>,
     v_cache: &CudaSlice<f16>,
     out: &mut CudaSlice<f16>,
-    pos: &CudaView<i32>,
+    q_start: &CudaView<i32>,
+    kv: &PagedKv,
     n_q: usize,
+    longest: usize,
 ) -> Result<(), CudaError> {
     s.supported()?;
+    let bs_log2 = kv.check(s.n_head_kv * s.head_dim, k_cache, v_cache)?;
     let d = s.head_dim;
     check(
-        q.len() >= n_q * s.n_head * d && out.len() >= n_q * s.n_head * d,
+        q.len() >= n_q * s.n_head * d
+            && out.len() >= n_q * s.n_head * d
+            && q_start.len() > kv.n_seqs
+            && longest <= n_q,
         "attention_prefill: shapes",
     )?;
     let name = match d {
@@ -344,15 +406,32 @@ pub fn attention_prefill(
         )?;
     }
     let cfg = LaunchConfig {
-        grid_dim: (n_q.div_ceil(QUERIES_PER_BLOCK) as u32, s.n_head as u32, 1),
+        grid_dim: (
+            longest.div_ceil(QUERIES_PER_BLOCK) as u32,
+            s.n_head as u32,
+            kv.n_seqs as u32,
+        ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let ints = [n_q, s.n_head, s.n_head_kv, s.window].map(|v| v as i32);
-    // SAFETY: shapes checked above; the caller keeps *pos + n_q within the cache.
+    let ints = [
+        kv.max_blocks as i32,
+        bs_log2,
+        s.n_head as i32,
+        s.n_head_kv as i32,
+        s.window as i32,
+    ];
+    // SAFETY: shapes checked above; the caller keeps q_start within the n_q rows, each
+    // context length within its sequence's blocks and every block below the pool's.
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
-        b.arg(q).arg(k_cache).arg(v_cache).arg(out).arg(pos);
+        b.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(out)
+            .arg(q_start)
+            .arg(&kv.ctx_len)
+            .arg(&kv.block_tables);
         for i in &ints {
             b.arg(i);
         }
@@ -698,13 +777,16 @@ mod tests {
         }
     }
 
-    /// Decode (split-K + combine) and prompt (flash) attention against the CPU reference,
-    /// on random queries and an f16 cache (the CPU gets the same f16 values), for every
-    /// head dimension, grouped heads, sliding windows, and split counts from 1 to 64.
+    /// Decode (split-K + combine) and prompt (flash) attention over a paged pool against
+    /// the CPU reference, on random queries and f16 keys and values (the CPU gets the same
+    /// f16 values, contiguous), for every head dimension, grouped heads, sliding windows,
+    /// split counts from 1 to 64, and two sequences per launch whose blocks are shuffled
+    /// through one pool.
     #[test]
     #[ignore = "needs an NVIDIA GPU"]
     fn gpu_attention_matches_the_cpu_reference() {
         use crate::backend::cpu::ops as cpu;
+        const BS: usize = 16;
         let dev = CudaDevice::new(0).expect("GPU");
         let mut seed = 77u64;
         let mut rnd = |scale: f32| ((lcg(&mut seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
@@ -717,11 +799,7 @@ mod tests {
             (32, 8, 128, 0, 1, 0),
             (6, 2, 128, 1000, 40, 100),
         ] {
-            let n_kv = p0 + n_q;
-            let kv_len = n_kv * nkv * d;
-            let k16: Vec<f16> = (0..kv_len).map(|_| f16::from_f32(rnd(2.0))).collect();
-            let v16: Vec<f16> = (0..kv_len).map(|_| f16::from_f32(rnd(2.0))).collect();
-            let q: Vec<f32> = (0..n_q * nh * d).map(|_| rnd(1.0)).collect();
+            let row = nkv * d;
             let shape = AttentionShape {
                 n_head: nh,
                 n_head_kv: nkv,
@@ -737,12 +815,63 @@ mod tests {
                 scale: shape.scale,
                 window: (window > 0).then_some(window),
             };
-            let kf: Vec<f32> = k16.iter().map(|v| v.to_f32()).collect();
-            let vf: Vec<f32> = v16.iter().map(|v| v.to_f32()).collect();
-            let mut want = vec![0f32; n_q * nh * d];
-            cpu::attention(&cpu_shape, &q, &kf, &vf, p0, &mut want);
-            let kd = dev.stream.clone_htod(&k16).unwrap();
-            let vd = dev.stream.clone_htod(&v16).unwrap();
+            // Two sequences: the case, and a shorter one.
+            let seqs = [(p0, n_q), (p0 / 3, n_q.div_ceil(2))];
+            let blocks: Vec<usize> = seqs.iter().map(|&(p, n)| (p + n).div_ceil(BS)).collect();
+            let n_blocks = blocks.iter().sum::<usize>() + 3;
+            // A shuffled pool: block ids in a random order.
+            let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
+            for i in (1..ids.len()).rev() {
+                let r = rnd(1.0).abs();
+                ids.swap(i, ((r * i as f32) as usize).min(i));
+            }
+            let max_blocks = *blocks.iter().max().unwrap();
+            let mut tables = vec![0i32; 2 * max_blocks];
+            let mut k_pool = vec![f16::ZERO; n_blocks * BS * row];
+            let mut v_pool = k_pool.clone();
+            let (mut q_all, mut want_prefill, mut want_last, mut q_last) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut next_block = 0;
+            for (s, &(p, n)) in seqs.iter().enumerate() {
+                let n_kv = p + n;
+                let table: Vec<u32> = ids[next_block..next_block + blocks[s]].to_vec();
+                next_block += blocks[s];
+                for (i, &b) in table.iter().enumerate() {
+                    tables[s * max_blocks + i] = b as i32;
+                }
+                let k16: Vec<f16> = (0..n_kv * row).map(|_| f16::from_f32(rnd(2.0))).collect();
+                let v16: Vec<f16> = (0..n_kv * row).map(|_| f16::from_f32(rnd(2.0))).collect();
+                for j in 0..n_kv {
+                    let slot = table[j / BS] as usize * BS + j % BS;
+                    k_pool[slot * row..(slot + 1) * row]
+                        .copy_from_slice(&k16[j * row..(j + 1) * row]);
+                    v_pool[slot * row..(slot + 1) * row]
+                        .copy_from_slice(&v16[j * row..(j + 1) * row]);
+                }
+                let q: Vec<f32> = (0..n * nh * d).map(|_| rnd(1.0)).collect();
+                let kf: Vec<f32> = k16.iter().map(|v| v.to_f32()).collect();
+                let vf: Vec<f32> = v16.iter().map(|v| v.to_f32()).collect();
+                let mut want = vec![0f32; n * nh * d];
+                cpu::attention(&cpu_shape, &q, &kf, &vf, p, &mut want);
+                let last = (n - 1) * nh * d;
+                q_last.extend_from_slice(&q[last..]);
+                want_last.extend_from_slice(&want[last..]);
+                q_all.extend(q);
+                want_prefill.extend(want);
+            }
+            let kd = dev.stream.clone_htod(&k_pool).unwrap();
+            let vd = dev.stream.clone_htod(&v_pool).unwrap();
+            let ctx: Vec<i32> = seqs.iter().map(|&(p, n)| (p + n) as i32).collect();
+            let ctx_d = dev.stream.clone_htod(&ctx).unwrap();
+            let tables_d = dev.stream.clone_htod(&tables).unwrap();
+            let kv = PagedKv {
+                ctx_len: ctx_d.slice(..),
+                block_tables: tables_d.slice(..),
+                max_blocks,
+                block_size: BS,
+                n_seqs: 2,
+                pool_slots: n_blocks * BS,
+            };
             let close = |got: &[f32], want: &[f32], what: &str| {
                 for (i, (g, w)) in got.iter().zip(want).enumerate() {
                     assert!(
@@ -751,11 +880,27 @@ mod tests {
                     );
                 }
             };
-            // Prompt attention over the whole batch.
-            let qd = dev.stream.clone_htod(&q).unwrap();
-            let pos = dev.stream.clone_htod(&[p0 as i32]).unwrap();
-            let mut out = dev.stream.alloc_zeros::<f16>(n_q * nh * d).unwrap();
-            attention_prefill(&dev, &shape, &qd, &kd, &vd, &mut out, &pos.slice(..), n_q).unwrap();
+            // Prompt attention over both sequences' chunks in one launch.
+            let total_q = seqs[0].1 + seqs[1].1;
+            let qd = dev.stream.clone_htod(&q_all).unwrap();
+            let q_start = dev
+                .stream
+                .clone_htod(&[0, seqs[0].1 as i32, total_q as i32])
+                .unwrap();
+            let mut out = dev.stream.alloc_zeros::<f16>(total_q * nh * d).unwrap();
+            attention_prefill(
+                &dev,
+                &shape,
+                &qd,
+                &kd,
+                &vd,
+                &mut out,
+                &q_start.slice(..),
+                &kv,
+                total_q,
+                seqs[0].1,
+            )
+            .unwrap();
             let got: Vec<f32> = dev
                 .stream
                 .clone_dtoh(&out)
@@ -763,16 +908,20 @@ mod tests {
                 .iter()
                 .map(|v| v.to_f32())
                 .collect();
-            close(&got, &want, "prefill");
-            // Decode of the batch's last query, at every split count it could get.
-            let last = (n_q - 1) * nh * d;
-            let ql = dev.stream.clone_htod(&q[last..]).unwrap();
-            let pos = dev.stream.clone_htod(&[(n_kv - 1) as i32]).unwrap();
-            let mut part_o = dev.stream.alloc_zeros::<f32>(MAX_SPLITS * nh * d).unwrap();
-            let mut part_ml = dev.stream.alloc_zeros::<f32>(MAX_SPLITS * nh * 2).unwrap();
-            let mut acts = DeviceActs::new(&dev, nh * d).unwrap();
-            let mut outd = dev.stream.alloc_zeros::<f32>(nh * d).unwrap();
-            for n_split in [1, decode_splits(n_kv), MAX_SPLITS] {
+            close(&got, &want_prefill, "prefill");
+            // Decode of each sequence's last query together, at every split count it could get.
+            let ql = dev.stream.clone_htod(&q_last).unwrap();
+            let mut part_o = dev
+                .stream
+                .alloc_zeros::<f32>(2 * MAX_SPLITS * nh * d)
+                .unwrap();
+            let mut part_ml = dev
+                .stream
+                .alloc_zeros::<f32>(2 * MAX_SPLITS * nh * 2)
+                .unwrap();
+            let mut acts = DeviceActs::new(&dev, 2 * nh * d).unwrap();
+            let mut outd = dev.stream.alloc_zeros::<f32>(2 * nh * d).unwrap();
+            for n_split in [1, decode_splits(p0 + n_q), MAX_SPLITS] {
                 attention_decode(
                     &dev,
                     &shape,
@@ -781,7 +930,7 @@ mod tests {
                     &vd,
                     &mut part_o,
                     &mut part_ml,
-                    &pos.slice(..),
+                    &kv,
                     n_split,
                 )
                 .unwrap();
@@ -793,10 +942,11 @@ mod tests {
                     Some(&mut outd),
                     &mut acts,
                     n_split,
+                    2,
                 )
                 .unwrap();
                 let got = dev.stream.clone_dtoh(&outd).unwrap();
-                close(&got, &want[last..], &format!("decode, {n_split} splits"));
+                close(&got, &want_last, &format!("decode, {n_split} splits"));
             }
         }
     }

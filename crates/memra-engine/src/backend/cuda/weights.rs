@@ -1,0 +1,275 @@
+//! The model's weights on the GPU: every matrix uploaded in its quantized form (Q8_0 and
+//! Q6_K regrouped for 16-byte loads, `matvec::upload_weights`), norms and biases as f32,
+//! each mixture-of-experts projection's experts in one buffer.
+
+use cudarc::driver::CudaSlice;
+
+use super::matvec::{supported, upload_weights, ExpertWeights};
+use super::ops::{AttentionShape, DeviceRope};
+use super::{CudaDevice, CudaError};
+use crate::backend::cpu::matmul::WeightRows;
+use crate::backend::cpu::ops::RopeLayout;
+use crate::models::layers::{Decoder, Ffn};
+use crate::models::weights::Linear;
+
+pub(super) struct GpuLinear {
+    pub(super) w: CudaSlice<u8>,
+    pub(super) ty: memra_gguf::GgmlType,
+    pub(super) n_in: usize,
+    pub(super) n_out: usize,
+}
+
+impl GpuLinear {
+    pub(super) fn row_bytes(&self) -> usize {
+        self.ty
+            .row_bytes(self.n_in as u64)
+            .expect("checked at upload") as usize
+    }
+}
+
+pub(super) struct GpuLayer {
+    pub(super) attn_norm: CudaSlice<f32>,
+    pub(super) wq: GpuLinear,
+    pub(super) wk: GpuLinear,
+    pub(super) wv: GpuLinear,
+    pub(super) bq: Option<CudaSlice<f32>>,
+    pub(super) bk: Option<CudaSlice<f32>>,
+    pub(super) bv: Option<CudaSlice<f32>>,
+    pub(super) q_norm: Option<CudaSlice<f32>>,
+    pub(super) k_norm: Option<CudaSlice<f32>>,
+    pub(super) wo: GpuLinear,
+    pub(super) post_attn_norm: Option<CudaSlice<f32>>,
+    pub(super) ffn_norm: CudaSlice<f32>,
+    pub(super) ffn: GpuFfn,
+    pub(super) post_ffn_norm: Option<CudaSlice<f32>>,
+    pub(super) rope: DeviceRope,
+    pub(super) attn: AttentionShape,
+}
+
+pub(super) enum GpuFfn {
+    Dense {
+        gate: GpuLinear,
+        up: GpuLinear,
+        down: GpuLinear,
+    },
+    Experts(GpuExperts),
+}
+
+/// A mixture-of-experts FFN: the router, and each projection's experts in one buffer.
+pub(super) struct GpuExperts {
+    pub(super) router: GpuLinear,
+    pub(super) gate: GpuExpertWeights,
+    pub(super) up: GpuExpertWeights,
+    pub(super) down: GpuExpertWeights,
+    pub(super) n_used: usize,
+    pub(super) normalize: bool,
+}
+
+pub(super) struct GpuExpertWeights {
+    pub(super) w: CudaSlice<u8>,
+    pub(super) ty: memra_gguf::GgmlType,
+    pub(super) n_in: usize,
+    pub(super) n_out: usize,
+    pub(super) n_expert: usize,
+}
+
+impl GpuExpertWeights {
+    pub(super) fn view(&self) -> ExpertWeights<'_> {
+        ExpertWeights {
+            w: &self.w,
+            ty: self.ty,
+            n_in: self.n_in,
+            n_out: self.n_out,
+            n_expert: self.n_expert,
+        }
+    }
+}
+
+impl GpuFfn {
+    /// Width of the gated activations of one token (all chosen experts').
+    pub(super) fn width(&self) -> usize {
+        match self {
+            GpuFfn::Dense { gate, .. } => gate.n_out,
+            GpuFfn::Experts(x) => x.n_used * x.gate.n_out,
+        }
+    }
+
+    pub(super) fn experts(&self) -> Option<&GpuExperts> {
+        match self {
+            GpuFfn::Experts(x) => Some(x),
+            GpuFfn::Dense { .. } => None,
+        }
+    }
+}
+
+/// Every weight of a decoder on the device.
+pub(super) struct GpuWeights {
+    pub(super) layers: Vec<GpuLayer>,
+    pub(super) token_embd: GpuLinear,
+    pub(super) output_norm: CudaSlice<f32>,
+    pub(super) output: GpuLinear,
+    /// Device bytes of the matrices, and of the norms, biases and rope factors.
+    pub(super) matrix_bytes: usize,
+    pub(super) small_bytes: usize,
+}
+
+/// Bytes of `model`'s matrices in the file (what the upload will take).
+pub(super) fn matrix_bytes(model: &Decoder) -> usize {
+    let mut weight_bytes = model.output.bytes().len() + model.token_embd.bytes().len();
+    for l in &model.layers {
+        weight_bytes += [&l.wq, &l.wk, &l.wv, &l.wo]
+            .iter()
+            .map(|w| w.bytes().len())
+            .sum::<usize>();
+        weight_bytes += match &l.ffn {
+            Ffn::Dense { gate, up, down } => {
+                gate.bytes().len() + up.bytes().len() + down.bytes().len()
+            }
+            Ffn::Experts {
+                router,
+                gate,
+                up,
+                down,
+                ..
+            } => {
+                router.bytes().len()
+                    + [gate, up, down]
+                        .iter()
+                        .flat_map(|e| e.iter())
+                        .map(|l| l.bytes().len())
+                        .sum::<usize>()
+            }
+        };
+    }
+    weight_bytes
+}
+
+impl GpuWeights {
+    /// Uploads `model`: its matrices if every type has kernels and rows are multiples of
+    /// 32 weights, else a clear error before anything large is allocated.
+    pub(super) fn upload(dev: &CudaDevice, model: &Decoder) -> Result<GpuWeights, CudaError> {
+        let hp = &model.hp;
+        let hd = hp.head_dim_k;
+        let mut small = 0usize;
+        let mut up_f32 = |v: &[f32]| -> Result<CudaSlice<f32>, CudaError> {
+            small += 4 * v.len();
+            Ok(dev.stream.clone_htod(v)?)
+        };
+        let mut linears = 0usize;
+        let mut expert_bytes = 0usize;
+        let mut upload = |l: &Linear| -> Result<GpuLinear, CudaError> {
+            if !supported(l.ty()) {
+                return Err(CudaError::Unsupported {
+                    op: "matvec",
+                    ty: l.ty(),
+                });
+            }
+            if l.n_in() % 32 != 0 {
+                return Err(CudaError::Invalid(format!(
+                    "rows of {} weights (the kernels take multiples of 32)",
+                    l.n_in()
+                )));
+            }
+            linears += l.bytes().len();
+            Ok(GpuLinear {
+                w: upload_weights(dev, l.bytes(), l.ty(), l.n_in())?,
+                ty: l.ty(),
+                n_in: l.n_in(),
+                n_out: l.n_out(),
+            })
+        };
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for l in &model.layers {
+            let ffn = match &l.ffn {
+                Ffn::Dense { gate, up, down } => GpuFfn::Dense {
+                    gate: upload(gate)?,
+                    up: upload(up)?,
+                    down: upload(down)?,
+                },
+                Ffn::Experts {
+                    router,
+                    gate,
+                    up,
+                    down,
+                    n_used,
+                    normalize,
+                } => {
+                    // Each projection's experts, one after the other, in one buffer.
+                    let mut experts = |e: &[Linear]| -> Result<GpuExpertWeights, CudaError> {
+                        let ty = e[0].ty();
+                        if !supported(ty) {
+                            return Err(CudaError::Unsupported {
+                                op: "expert matvec",
+                                ty,
+                            });
+                        }
+                        let bytes: Vec<u8> =
+                            e.iter().flat_map(|l| l.bytes().iter().copied()).collect();
+                        expert_bytes += bytes.len();
+                        Ok(GpuExpertWeights {
+                            w: upload_weights(dev, &bytes, ty, e[0].n_in())?,
+                            ty,
+                            n_in: e[0].n_in(),
+                            n_out: e[0].n_out(),
+                            n_expert: e.len(),
+                        })
+                    };
+                    let (gate, up, down) = (experts(gate)?, experts(up)?, experts(down)?);
+                    GpuFfn::Experts(GpuExperts {
+                        router: upload(router)?,
+                        gate,
+                        up,
+                        down,
+                        n_used: *n_used,
+                        normalize: *normalize,
+                    })
+                }
+            };
+            type Upload<'a> = dyn FnMut(&[f32]) -> Result<CudaSlice<f32>, CudaError> + 'a;
+            let opt = |v: &Option<Vec<f32>>, up: &mut Upload| v.as_deref().map(up).transpose();
+            let attn = AttentionShape {
+                n_head: hp.n_head,
+                n_head_kv: hp.n_head_kv,
+                head_dim: hd,
+                scale: model.attn_scale,
+                window: l.window.unwrap_or(0),
+            };
+            attn.supported()?;
+            layers.push(GpuLayer {
+                attn_norm: up_f32(&l.attn_norm)?,
+                wq: upload(&l.wq)?,
+                wk: upload(&l.wk)?,
+                wv: upload(&l.wv)?,
+                bq: opt(&l.bq, &mut up_f32)?,
+                bk: opt(&l.bk, &mut up_f32)?,
+                bv: opt(&l.bv, &mut up_f32)?,
+                q_norm: opt(&l.q_norm, &mut up_f32)?,
+                k_norm: opt(&l.k_norm, &mut up_f32)?,
+                wo: upload(&l.wo)?,
+                post_attn_norm: opt(&l.post_attn_norm, &mut up_f32)?,
+                ffn_norm: up_f32(&l.ffn_norm)?,
+                ffn,
+                post_ffn_norm: opt(&l.post_ffn_norm, &mut up_f32)?,
+                rope: DeviceRope {
+                    halves: l.rope.layout == RopeLayout::Halves,
+                    n_dims: l.rope.n_dims,
+                    base: l.rope.base,
+                    freq_scale: l.rope.freq_scale,
+                    freq_factors: opt(&l.rope.freq_factors, &mut up_f32)?,
+                },
+                attn,
+            });
+        }
+        let output_norm = up_f32(&model.output_norm)?;
+        let output = upload(&model.output)?;
+        let token_embd = upload(&model.token_embd)?;
+        Ok(GpuWeights {
+            layers,
+            token_embd,
+            output_norm,
+            output,
+            matrix_bytes: linears + expert_bytes,
+            small_bytes: small,
+        })
+    }
+}

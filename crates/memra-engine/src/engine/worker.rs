@@ -1,0 +1,335 @@
+//! The engine thread: take requests, plan a step, run it, sample, send events; repeat
+//! while anything runs, sleep on the channel when nothing does.
+
+use std::collections::HashMap;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+
+use super::{BatchRunner, Command, Event, EventSink, FinishReason, Request, TokenEvent, Usage};
+use crate::batch::{ForwardBatch, RowOut, RowPick};
+use crate::kv::BlockManager;
+use crate::models::Model;
+use crate::sampler::Sampler;
+use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, Sequence, Step};
+use crate::stop::StopFilter;
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// A request in flight: what the engine keeps beside the scheduler's sequence.
+struct Live<'t> {
+    request: Request,
+    /// Out of it while a step that samples it runs.
+    sampler: Option<Sampler>,
+    decoder: IncrementalDecoder<'t>,
+    filter: StopFilter,
+    sink: EventSink,
+    generated: usize,
+    /// Prompt scores by position (`score_from..prompt_len - 1`), filled as chunks run.
+    scores: Vec<f32>,
+}
+
+pub(super) fn run(
+    model: Arc<Model>,
+    mut runner: Box<dyn BatchRunner>,
+    config: SchedulerConfig,
+    rx: Receiver<Command>,
+) {
+    let tok = &model.tokenizer;
+    let blocks = BlockManager::new(runner.num_blocks(), runner.block_size());
+    let mut sched = Scheduler::new(config, blocks);
+    let mut live: HashMap<SeqId, Live> = HashMap::new();
+    loop {
+        let first = if sched.is_idle() {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return,
+            }
+        } else {
+            None
+        };
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
+            match cmd {
+                Command::Add { id, request, sink } => {
+                    let request = *request;
+                    let Ok(mut sampler) = Sampler::new(request.params.sampler.clone()) else {
+                        continue; // validated at submission
+                    };
+                    request.prompt.iter().for_each(|&t| sampler.accept(t));
+                    let mut seq = Sequence::new(id, request.prompt.clone());
+                    seq.use_prefix_cache = request.params.score_from.is_none();
+                    let n_scores = request
+                        .params
+                        .score_from
+                        .map_or(0, |f| request.prompt.len() - 1 - f);
+                    live.insert(
+                        id,
+                        Live {
+                            filter: StopFilter::new(request.params.stop.clone()),
+                            request,
+                            sampler: Some(sampler),
+                            decoder: IncrementalDecoder::new(tok, false),
+                            sink,
+                            generated: 0,
+                            scores: vec![0.0; n_scores],
+                        },
+                    );
+                    sched.add(seq);
+                }
+                Command::Cancel(id) => {
+                    sched.remove(id);
+                    live.remove(&id);
+                }
+                Command::Shutdown => return,
+            }
+        }
+        if sched.is_idle() {
+            continue;
+        }
+        let step = sched.schedule();
+        if step.seqs.is_empty() {
+            // Nothing fits although nothing else holds the pool: requests are checked
+            // against the pool's size when submitted, so this is a bug; fail the requests
+            // rather than spin.
+            let ids: Vec<SeqId> = live.keys().copied().collect();
+            for id in ids {
+                fail(
+                    &mut sched,
+                    &mut live,
+                    id,
+                    "the KV pool cannot hold the request",
+                );
+            }
+            continue;
+        }
+        let (batch, rows) = build_batch(&step, &sched, &live, runner.block_size());
+        // Each sequence's last row is sampled by the runner (on the device where it can)
+        // unless its log-probabilities are wanted; scoring rows come back as logits. The
+        // samplers leave their sequences for the step.
+        let mut samplers: Vec<Sampler> = Vec::new();
+        let mut plan: Vec<bool> = Vec::with_capacity(batch.logit_rows.len());
+        for (s, &n_rows) in step.seqs.iter().zip(&rows) {
+            let l = live.get_mut(&s.id).expect("live sequences are scheduled");
+            let sample_here = s.logits && l.request.params.logprobs.is_none() && l.runner_samples();
+            plan.extend(std::iter::repeat_n(false, n_rows));
+            if sample_here {
+                *plan.last_mut().expect("a sampled sequence has its row") = true;
+                samplers.push(l.sampler.take().expect("a sampler per sequence"));
+            }
+        }
+        let mut it = samplers.iter_mut();
+        let mut picks: Vec<RowPick> = plan
+            .iter()
+            .map(|&sample| match sample {
+                true => RowPick::Sample(it.next().expect("one per sampled row")),
+                false => RowPick::Logits,
+            })
+            .collect();
+        // A panic in a backend is a bug, but it fails this step's requests, not the
+        // engine and every request after them.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            runner.forward(&batch, &mut picks)
+        }))
+        .unwrap_or_else(|_| Err("internal error in the forward pass".to_string()));
+        drop(picks);
+        let mut samplers = samplers.into_iter();
+        for (s, &n_rows) in step.seqs.iter().zip(&rows) {
+            let l = live.get_mut(&s.id).expect("live sequences are scheduled");
+            if l.sampler.is_none() && n_rows > 0 {
+                l.sampler = samplers.next();
+            }
+        }
+        let outputs = match result {
+            Ok(o) => o,
+            Err(e) => {
+                for s in &step.seqs {
+                    fail(&mut sched, &mut live, s.id, &e);
+                }
+                continue;
+            }
+        };
+        sched.complete(&step);
+        let mut outputs = outputs.into_iter();
+        for (s, n_rows) in step.seqs.iter().zip(rows) {
+            let seq_rows: Vec<RowOut> = outputs.by_ref().take(n_rows).collect();
+            let l = live.get_mut(&s.id).expect("live sequences are scheduled");
+            if let Some(from) = l.request.params.score_from {
+                let tokens = &l.request.prompt;
+                for (i, row) in scored_positions(s, from, tokens.len()).zip(&seq_rows) {
+                    if let RowOut::Logits(row) = row {
+                        l.scores[i - from] = log_softmax_at(row, tokens[i + 1]);
+                    }
+                }
+            }
+            if !s.logits {
+                continue;
+            }
+            let last = seq_rows
+                .into_iter()
+                .last()
+                .expect("a row for the last token");
+            if let Some(reason) = sample(tok, l, last, &mut sched, s.id) {
+                finish(&mut sched, &mut live, s.id, Some(reason));
+            }
+        }
+    }
+}
+
+impl Live<'_> {
+    /// Whether the runner samples this sequence's next token (scoring requests whose
+    /// generation is over take logits only).
+    fn runner_samples(&self) -> bool {
+        self.generated < self.request.params.max_tokens
+    }
+}
+
+/// Positions of a scheduled chunk whose logits score the next prompt token.
+fn scored_positions(s: &Scheduled, from: usize, prompt_len: usize) -> std::ops::Range<usize> {
+    let lo = s.start.max(from);
+    let hi = (s.start + s.n).min(prompt_len - 1);
+    lo..hi.max(lo)
+}
+
+/// The step's batch, and how many logit rows each scheduled sequence gets.
+fn build_batch(
+    step: &Step,
+    sched: &Scheduler,
+    live: &HashMap<SeqId, Live>,
+    block_size: usize,
+) -> (ForwardBatch, Vec<usize>) {
+    let mut batch = ForwardBatch::new(block_size);
+    let mut rows = Vec::with_capacity(step.seqs.len());
+    for s in &step.seqs {
+        let seq = sched.get(s.id).expect("scheduled sequences run");
+        let mut want: Vec<usize> = match live[&s.id].request.params.score_from {
+            Some(from) => scored_positions(s, from, seq.prompt_len)
+                .map(|p| p - s.start)
+                .collect(),
+            None => Vec::new(),
+        };
+        if s.logits && want.last() != Some(&(s.n - 1)) {
+            want.push(s.n - 1);
+        }
+        rows.push(want.len());
+        let tokens = &seq.tokens[s.start..s.start + s.n];
+        batch.push(tokens, s.start, &seq.blocks, want);
+    }
+    (batch, rows)
+}
+
+/// `log softmax(row)[id]`.
+fn log_softmax_at(row: &[f32], id: u32) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let lse = f64::from(max)
+        + row
+            .iter()
+            .map(|&v| f64::from(v - max).exp())
+            .sum::<f64>()
+            .ln();
+    (f64::from(row[id as usize]) - lse) as f32
+}
+
+/// The `n` best tokens of `row` with their log-probabilities.
+fn top_logprobs(row: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let n = n.min(row.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    idx.select_nth_unstable_by(n - 1, |&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    idx.truncate(n);
+    idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+    idx.iter().map(|&i| (i, log_softmax_at(row, i))).collect()
+}
+
+/// Takes the next token of a sequence (sampled by the runner, or here from its logits)
+/// and sends it; returns why the sequence ends, if it does (else the token joins it).
+fn sample(
+    tok: &Tokenizer,
+    l: &mut Live,
+    row: RowOut,
+    sched: &mut Scheduler,
+    id: SeqId,
+) -> Option<FinishReason> {
+    if l.generated >= l.request.params.max_tokens {
+        return Some(FinishReason::Length); // prompt scoring only
+    }
+    let sampler = l.sampler.as_mut().expect("sampler back after the step");
+    let (next, logits) = match row {
+        RowOut::Token(id) => (id, None),
+        RowOut::Logits(v) => (sampler.sample(&v), Some(v)),
+    };
+    let p = &l.request.params;
+    if tok.is_end_of_generation(next) && !p.ignore_eos {
+        return Some(FinishReason::EndOfGeneration);
+    }
+    sampler.accept(next);
+    l.generated += 1;
+    let (logprob, top) = match (p.logprobs, &logits) {
+        (Some(n), Some(v)) => (Some(log_softmax_at(v, next)), top_logprobs(v, n)),
+        _ => (None, Vec::new()),
+    };
+    let piece = l.decoder.push(next).unwrap_or_default();
+    let (text, hit) = l.filter.push(&piece);
+    let delivered = (l.sink)(Event::Token(TokenEvent {
+        id: next,
+        text,
+        logprob,
+        top_logprobs: top,
+    }));
+    if !delivered {
+        // Nobody listens: end it now (its blocks go back with the finish).
+        return Some(FinishReason::Length);
+    }
+    if hit {
+        return Some(FinishReason::StopString);
+    }
+    if l.generated >= p.max_tokens {
+        return Some(FinishReason::Length);
+    }
+    sched.append(id, next);
+    None
+}
+
+/// Ends a sequence: the text held back, the scores, the counts; its blocks go back.
+fn finish(
+    sched: &mut Scheduler,
+    live: &mut HashMap<SeqId, Live>,
+    id: SeqId,
+    reason: Option<FinishReason>,
+) {
+    let seq = sched.remove(id);
+    let Some(mut l) = live.remove(&id) else {
+        return;
+    };
+    let Some(reason) = reason else {
+        return;
+    };
+    let mut text = String::new();
+    if reason != FinishReason::StopString {
+        let (t, _) = l.filter.push(&l.decoder.finish());
+        text = t + &l.filter.take_held();
+    }
+    if l.request.params.score_from.is_some() {
+        (l.sink)(Event::PromptScores(std::mem::take(&mut l.scores)));
+    }
+    let usage = Usage {
+        prompt_tokens: l.request.prompt.len(),
+        completion_tokens: l.generated,
+        cached_tokens: seq.as_ref().and_then(|s| s.cached_tokens).unwrap_or(0),
+        preemptions: seq.as_ref().map_or(0, |s| s.preemptions),
+    };
+    (l.sink)(Event::Finished {
+        reason,
+        text,
+        usage,
+    });
+}
+
+fn fail(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, why: &str) {
+    if let Some(mut l) = live.remove(&id) {
+        (l.sink)(Event::Error(why.to_string()));
+    }
+    sched.remove(id);
+}

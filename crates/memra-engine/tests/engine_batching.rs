@@ -1,0 +1,385 @@
+//! The serving engine on the CPU: a sequence batched with others gives the tokens it gives
+//! alone, however the step budget chunks its prompt, whether its prefix comes from the
+//! cache, and when a small pool forces preemption; bad requests are refused before they
+//! start; a request whose client goes away gives its blocks back.
+
+use std::sync::Arc;
+
+use memra_engine::engine::{
+    CpuBatchRunner, Engine, EngineConfig, EngineError, Event, FinishReason, GenerationParams,
+    Request, Usage,
+};
+use memra_engine::models::{LogitRows, Model};
+use memra_engine::sampler::{argmax, SamplerConfig};
+use memra_engine::scheduler::SchedulerConfig;
+
+mod common;
+use common::model_path;
+
+const N_CTX: usize = 512;
+
+fn greedy_config() -> SamplerConfig {
+    SamplerConfig {
+        temperature: 0.0,
+        ..SamplerConfig::default()
+    }
+}
+
+/// Greedy tokens of one prompt by the model's single-sequence forward (no engine, no
+/// scheduler), stopping at an end-of-generation token as the engine does.
+fn alone(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = model.decoder.new_cache(prompt.len() + n);
+    let mut logits = model
+        .decoder
+        .forward(&mut cache, prompt, LogitRows::Last)
+        .unwrap();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let best = argmax(&logits);
+        if model.tokenizer.is_end_of_generation(best) {
+            break;
+        }
+        out.push(best);
+        if out.len() < n {
+            logits = model
+                .decoder
+                .forward(&mut cache, &[best], LogitRows::Last)
+                .unwrap();
+        }
+    }
+    out
+}
+
+fn engine(model: &Arc<Model>, kv_tokens: usize, max_running: usize, budget: usize) -> Engine {
+    let runner = CpuBatchRunner::new(model.clone(), kv_tokens, 16);
+    Engine::start(
+        model.clone(),
+        Box::new(runner),
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running,
+                token_budget: budget,
+            },
+            n_ctx: N_CTX,
+        },
+    )
+}
+
+fn request(prompt: &[u32], n: usize, sampler: SamplerConfig) -> Request {
+    Request {
+        prompt: prompt.to_vec(),
+        params: GenerationParams {
+            max_tokens: n,
+            sampler,
+            ..GenerationParams::default()
+        },
+    }
+}
+
+/// Submits every request at once; returns each one's tokens and usage.
+fn run_all(e: &Engine, reqs: &[Request]) -> Vec<(Vec<u32>, Usage)> {
+    let handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            let mut ids = Vec::new();
+            for ev in h {
+                match ev {
+                    Event::Token(t) => ids.push(t.id),
+                    Event::Finished { usage, .. } => return (ids, usage),
+                    Event::Error(e) => panic!("{e}"),
+                    Event::PromptScores(_) => {}
+                }
+            }
+            panic!("no finish")
+        })
+        .collect()
+}
+
+/// Prompts of different lengths (3 to ~60 tokens) and contents.
+fn prompts(model: &Model) -> Vec<Vec<u32>> {
+    [
+        "Hello",
+        "The capital of France is",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who \
+         every morning rowed out before dawn and came back with the tide.",
+        "1, 2, 3, 4, 5,",
+        "// Binary search in C\nint search(int *a, int n, int x) {",
+    ]
+    .iter()
+    .map(|p| model.tokenizer.encode(p, true, true).unwrap())
+    .collect()
+}
+
+const MODELS: [&str; 6] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-qwen3moe",
+    "tiny-gemma3",
+    "qwen2.5-coder-0.5b-instruct-q4_k_m",
+];
+
+#[test]
+fn a_batch_gives_each_sequence_its_tokens_alone() {
+    for name in MODELS {
+        let model = Arc::new(Model::load(&model_path(name)).unwrap());
+        let n = 12;
+        let ps = prompts(&model);
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&model, p, n)).collect();
+        let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
+        // Whole prompts in one step, and prompts chunked by small budgets (a budget of 5
+        // splits every prompt but the first, and mixes chunks with decodes).
+        for budget in [2048, 5, 17] {
+            let e = engine(&model, N_CTX * 8, 8, budget);
+            let got = run_all(&e, &reqs);
+            for (i, ((ids, _), w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(ids, w, "{name}: prompt {i}, budget {budget}");
+            }
+        }
+        eprintln!("{name}: 6 sequences batched = alone at budgets 2048, 5, 17");
+    }
+}
+
+#[test]
+fn prefix_cache_hits_change_nothing() {
+    for name in [
+        "tiny-llama",
+        "tiny-gemma3",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m",
+    ] {
+        let model = Arc::new(Model::load(&model_path(name)).unwrap());
+        let shared = model
+            .tokenizer
+            .encode(
+                &"You are a helpful assistant. Answer briefly and precisely, and say so when \
+                  you do not know. Here is the question of the user, who asks about"
+                    .repeat(2),
+                true,
+                true,
+            )
+            .unwrap();
+        assert!(shared.len() >= 32, "two full blocks at least");
+        let ps: Vec<Vec<u32>> = [" cats", " the history of Rome", " prime numbers", ""]
+            .iter()
+            .map(|tail| {
+                let mut p = shared.clone();
+                p.extend(model.tokenizer.encode(tail, false, true).unwrap());
+                p
+            })
+            .collect();
+        let n = 10;
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&model, p, n)).collect();
+        let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
+        let e = engine(&model, N_CTX * 8, 8, 2048);
+        // All at once: the first computes the shared blocks, the others wait and reuse them.
+        let got = run_all(&e, &reqs);
+        let full_blocks = shared.len() / 16 * 16;
+        for (i, ((ids, usage), w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(ids, w, "{name}: prompt {i}");
+            if i > 0 {
+                assert!(
+                    usage.cached_tokens >= full_blocks.min(ps[i].len() - 1) / 16 * 16,
+                    "{name}: prompt {i}: {usage:?}"
+                );
+            }
+        }
+        // Again, later: the finished sequences' blocks are still cached.
+        let again = run_all(&e, &reqs[..1]);
+        assert_eq!(again[0].0, want[0], "{name}: cached rerun");
+        assert!(again[0].1.cached_tokens >= full_blocks, "{:?}", again[0].1);
+        eprintln!("{name}: prefix hits, same tokens");
+    }
+}
+
+#[test]
+fn preemption_in_a_small_pool_loses_and_duplicates_nothing() {
+    for name in [
+        "tiny-qwen2",
+        "tiny-qwen3moe",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m",
+    ] {
+        let model = Arc::new(Model::load(&model_path(name)).unwrap());
+        let n = 24;
+        let ps = prompts(&model);
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&model, p, n)).collect();
+        // Exactly the prompts' blocks (every prompt admitted in the first step), or the
+        // longest request's: sequences growing into a new block find none free.
+        let longest = ps.iter().map(|p| p.len()).max().unwrap() + n;
+        let prompt_blocks: usize = ps.iter().map(|p| p.len().div_ceil(16)).sum();
+        let e = engine(
+            &model,
+            prompt_blocks.max(longest.div_ceil(16)) * 16,
+            8,
+            2048,
+        );
+        let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
+        let got = run_all(&e, &reqs);
+        let preemptions: usize = got.iter().map(|(_, u)| u.preemptions).sum();
+        assert!(preemptions > 0, "{name}: the pool was meant to run out");
+        for (i, ((ids, _), w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(ids, w, "{name}: prompt {i}");
+        }
+        eprintln!("{name}: {preemptions} preemptions, every sequence complete and unchanged");
+    }
+}
+
+#[test]
+fn sampled_sequences_batched_equal_alone() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let ps = prompts(&model);
+    let reqs: Vec<Request> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            request(
+                p,
+                16,
+                SamplerConfig {
+                    seed: 100 + i as u64,
+                    repeat_penalty: 1.1,
+                    ..SamplerConfig::default()
+                },
+            )
+        })
+        .collect();
+    let batched = run_all(&engine(&model, N_CTX * 8, 8, 2048), &reqs);
+    for (i, r) in reqs.iter().enumerate() {
+        let one = run_all(&engine(&model, N_CTX, 1, 2048), std::slice::from_ref(r));
+        assert_eq!(one[0].0, batched[i].0, "prompt {i}");
+    }
+}
+
+#[test]
+fn stop_strings_logprobs_and_scores() {
+    let model = Arc::new(Model::load(&model_path("tiny-qwen2")).unwrap());
+    let e = engine(&model, N_CTX * 2, 2, 2048);
+    let prompt = &prompts(&model)[3];
+    let want = alone(&model, prompt, 16);
+    let text = model.tokenizer.decode_lossy(&want, false).unwrap();
+    // A stop string inside the greedy text: the output ends right before it.
+    let cut = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
+    let stop: String = text[cut..].chars().take(3).collect();
+    let mut r = request(prompt, 16, greedy_config());
+    r.params.stop = vec![stop.clone()];
+    r.params.logprobs = Some(3);
+    let mut out = String::new();
+    let mut reason = None;
+    for ev in e.submit(r).unwrap() {
+        match ev {
+            Event::Token(t) => {
+                out.push_str(&t.text);
+                let lp = t.logprob.unwrap();
+                assert!(lp <= 0.0);
+                assert_eq!(t.top_logprobs.len(), 3);
+                // Greedy: the chosen token is the best alternative.
+                assert_eq!(t.top_logprobs[0].0, t.id);
+                assert!((t.top_logprobs[0].1 - lp).abs() < 1e-5);
+                assert!(t.top_logprobs[1].1 <= t.top_logprobs[0].1);
+            }
+            Event::Finished {
+                reason: r, text, ..
+            } => {
+                out.push_str(&text);
+                reason = Some(r);
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(reason, Some(FinishReason::StopString));
+    assert_eq!(out, text[..text.find(&stop).unwrap()], "stop {stop:?}");
+    // Prompt scores equal log-softmax of the single-sequence logits.
+    let mut cache = model.decoder.new_cache(prompt.len());
+    let logits = model
+        .decoder
+        .forward(&mut cache, prompt, LogitRows::From(0))
+        .unwrap();
+    let nv = model.decoder.hp.n_vocab;
+    let from = 5;
+    let mut r = request(prompt, 0, greedy_config());
+    r.params.score_from = Some(from);
+    let scores = e
+        .submit(r)
+        .unwrap()
+        .find_map(|ev| match ev {
+            Event::PromptScores(s) => Some(s),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(scores.len(), prompt.len() - 1 - from);
+    for (k, &s) in scores.iter().enumerate() {
+        let row = &logits[(from + k) * nv..(from + k + 1) * nv];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let lse = max + row.iter().map(|&v| (v - max).exp()).sum::<f32>().ln();
+        let want = row[prompt[from + k + 1] as usize] - lse;
+        assert!(
+            (s - want).abs() < 1e-3,
+            "position {}: {s} vs {want}",
+            from + k
+        );
+    }
+}
+
+#[test]
+fn bad_requests_are_refused_before_they_start() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let e = engine(&model, 64, 2, 2048);
+    let ok = vec![1u32, 2, 3];
+    let nv = model.decoder.hp.n_vocab as u32;
+    let cases: Vec<(Request, EngineError)> = vec![
+        (request(&[], 4, greedy_config()), EngineError::EmptyPrompt),
+        (
+            request(&[1, nv], 4, greedy_config()),
+            EngineError::BadToken(nv),
+        ),
+        (request(&ok, 0, greedy_config()), EngineError::NoTokens),
+        (
+            request(&ok, N_CTX, greedy_config()),
+            EngineError::TooLong {
+                prompt: 3,
+                max_tokens: N_CTX,
+                n_ctx: N_CTX,
+            },
+        ),
+        (
+            request(&ok, 100, greedy_config()),
+            EngineError::PoolTooSmall {
+                needed: 102,
+                pool: 64,
+            },
+        ),
+    ];
+    for (r, want) in cases {
+        let err = e.submit(r).err().expect("refused");
+        assert_eq!(err, want);
+        assert!(!err.to_string().is_empty());
+    }
+    let mut bad = request(&ok, 4, greedy_config());
+    bad.params.sampler.top_p = 2.0;
+    assert!(matches!(e.submit(bad), Err(EngineError::Sampler(_))));
+    // The engine still serves after refusals.
+    assert_eq!(
+        run_all(&e, &[request(&ok, 4, greedy_config())])[0].0.len(),
+        4
+    );
+}
+
+#[test]
+fn a_client_that_goes_away_gives_its_blocks_back() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    // Room for one long request at a time.
+    let e = engine(&model, 128, 4, 2048);
+    let p = prompts(&model)[0].clone();
+    let mut long = request(&p, 120, greedy_config());
+    long.params.ignore_eos = true;
+    let mut h = e.submit(long.clone()).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(h.next(), Some(Event::Token(_))));
+    }
+    drop(h);
+    // Needs the whole pool: it completes only if the dropped request's blocks came back.
+    let got = run_all(&e, &[long]);
+    assert_eq!(got[0].0.len(), 120);
+    assert_eq!(got[0].1.preemptions, 0);
+}
