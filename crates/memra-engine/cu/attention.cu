@@ -52,6 +52,7 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
 
 #define MAX_GROUP 8      // query heads per kv head the decode kernel handles
 #define DECODE_WARPS 2
+#define DECODE_BLOCK 16  // positions per KV block the decode kernel takes (bs_log2 == 4)
 
 // Decode: block (kv head, split) takes its share of keys for all query heads of the group.
 // Each lane scores one key per 32-key step (its whole row: no reduction across lanes), the
@@ -75,17 +76,29 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int n_kv = ctx_len[seq];
     const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
+    (void)bs_log2;  // DECODE_BLOCK: the host checks the pool's blocks are its size
     q += (size_t)seq * n_head * D;
     part_o += (size_t)seq * MAX_SPLITS * n_head * D;
     part_ml += (size_t)seq * MAX_SPLITS * n_head * 2;
     const int first = window > 0 ? max(0, n_kv - window) : 0;
     // Splits start at multiples of 32 positions (keys before `first` are masked), so a
-    // warp's step of 32 positions is whole 16-position blocks, or part of one larger block:
-    // its slots come from one or two table entries.
+    // warp's step of 32 positions is two whole blocks: its slots come from two table
+    // entries.
     const int first_al = first & ~(WARP_SIZE - 1);
     const int per = ((n_kv - first_al + n_split - 1) / n_split + WARP_SIZE - 1) & ~(WARP_SIZE - 1);
     const int begin = first_al + split * per, end = min(n_kv, begin + per);
-    const int mask = (1 << bs_log2) - 1;
+    // A step's table entries (the first step's loaded before the wait for the previous
+    // kernel: the batch arrays were copied before the step began, so under programmatic
+    // launch their latency hides behind the previous kernel's tail); each step loads the
+    // next step's at its start.
+    const int step = DECODE_WARPS * WARP_SIZE;
+    int t0, t1;
+    {
+        const int b = begin + warp * WARP_SIZE;
+        t0 = b < end ? bt[b / DECODE_BLOCK] : 0;
+        t1 = b + DECODE_BLOCK < end ? bt[b / DECODE_BLOCK + 1] : t0;
+    }
+    PDL_WAIT();
 
     __shared__ float qs[MAX_GROUP][D];
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
@@ -106,16 +119,15 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     // together with the keys, before any arithmetic: one wait for memory per step, not two.
     constexpr bool PREFETCH_V = E <= 4;
     constexpr int VW = E <= 2 ? 1 : 2;  // 32-bit words per lane per value row
-    for (int base = begin + warp * WARP_SIZE; base < end; base += DECODE_WARPS * WARP_SIZE) {
+    for (int base = begin + warp * WARP_SIZE; base < end; base += step) {
         const int key = base + lane;
         const bool valid = key < end && key >= first;
-        // Position base + j (j < 32) is in block base / B + j / 16 when blocks hold B = 16
-        // positions, else in block base / B: one or two uniform table loads per step.
-        const int b0 = base >> bs_log2;
-        const int t0 = bt[b0];
-        const int t1 = (bs_log2 == 4 && base + 16 < end) ? bt[b0 + 1] : t0;
-#define STEP_SLOT(j) \
-    ((((size_t)((bs_log2 == 4 && (j) >= 16) ? t1 : t0)) << bs_log2) | (size_t)((base + (j)) & mask))
+        // Position base + j (j < 32) is in block base / 16 + j / 16, at offset j % 16
+        // (base is a multiple of 32): the offsets are known at compile time.
+        const int nb = base + step;
+        const int next0 = nb < end ? bt[nb / DECODE_BLOCK] : 0;
+        const int next1 = nb + DECODE_BLOCK < end ? bt[nb / DECODE_BLOCK + 1] : next0;
+#define STEP_SLOT(j) ((size_t)((j) < DECODE_BLOCK ? t0 : t1) * DECODE_BLOCK + (size_t)((j) & (DECODE_BLOCK - 1)))
         uint32_t vraw[PREFETCH_V ? WARP_SIZE : 1][VW];
         if constexpr (PREFETCH_V) {
 #pragma unroll
@@ -206,6 +218,8 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                 }
             }
         }
+        t0 = next0;
+        t1 = next1;
     }
 
 #undef STEP_SLOT
@@ -249,7 +263,6 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                          float* __restrict__ part_ml, const int* __restrict__ ctx_len,                              \
                          const int* __restrict__ block_tables, int max_blocks, int bs_log2, int n_head,             \
                          int n_head_kv, int window, float scale, int n_split) {                                     \
-        PDL_WAIT();                                                                                                 \
         attn_decode<D>(q, k_cache, v_cache, part_o, part_ml, ctx_len, block_tables, max_blocks, bs_log2, n_head,    \
                        n_head_kv, window, scale, n_split);                                                          \
     }

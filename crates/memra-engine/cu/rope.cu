@@ -27,12 +27,14 @@ extern "C" __global__ void rope_qk_append(float* __restrict__ q, const float* __
                                           int dv, int n_dims, const int* __restrict__ pos,
                                           const int* __restrict__ slot, float base,
                                           float freq_scale, const float* __restrict__ freq_factors, int halves) {
+    // The batch arrays were copied before the step began: read them before waiting for
+    // the previous kernel.
+    const int t = blockIdx.y, p = pos[t];
+    const size_t cache_row = (size_t)slot[t];
     PDL_WAIT();
     const int half = n_dims / 2;
     const int q_pairs = n_head * half, k_pairs = n_head_kv * half;
     const int k_rest = n_head_kv * (head_dim - n_dims), v_n = n_head_kv * dv;
-    const int t = blockIdx.y, p = pos[t];
-    const size_t cache_row = (size_t)slot[t];
     q += (size_t)t * n_head * head_dim;
     k += (size_t)t * n_head_kv * head_dim;
     v += (size_t)t * v_n;

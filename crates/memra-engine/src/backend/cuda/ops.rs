@@ -250,6 +250,11 @@ pub fn attention_decode(
 ) -> Result<(), CudaError> {
     s.supported()?;
     let bs_log2 = kv.check(s.n_head_kv * s.head_dim, k_cache, v_cache)?;
+    // DECODE_BLOCK in attention.cu: the kernel's slot arithmetic is compiled for it.
+    check(
+        kv.block_size == 16,
+        "attention_decode: blocks of 16 positions",
+    )?;
     let n = kv.n_seqs;
     check(
         q.len() >= n * s.n_head * s.head_dim
