@@ -263,14 +263,7 @@ pub fn perplexity(
         let logits = runner.feed_rows(chunk, LogitRows::From(first))?;
         for j in first..n_ctx - 1 {
             let row = &logits[(j - first) * n_vocab..(j - first + 1) * n_vocab];
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let lse = f64::from(max)
-                + row
-                    .iter()
-                    .map(|&v| f64::from(v - max).exp())
-                    .sum::<f64>()
-                    .ln();
-            sum.add(lse - f64::from(row[chunk[j + 1] as usize]));
+            sum.add(-crate::sampler::log_prob(row, chunk[j + 1]));
         }
         progress(c + 1, chunks.len(), sum.ppl());
     }

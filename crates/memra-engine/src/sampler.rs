@@ -319,6 +319,18 @@ impl Sampler {
     }
 }
 
+/// `log softmax(row)[id]`, in f64: a token's log-probability under raw logits.
+pub fn log_prob(row: &[f32], id: u32) -> f64 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let lse = f64::from(max)
+        + row
+            .iter()
+            .map(|&v| f64::from(v - max).exp())
+            .sum::<f64>()
+            .ln();
+    f64::from(row[id as usize]) - lse
+}
+
 pub fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {

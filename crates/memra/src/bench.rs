@@ -26,7 +26,7 @@ pub struct BenchArgs {
 }
 
 /// Token ids spread over the vocabulary (llama-bench uses random tokens too).
-fn tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
+pub fn tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {

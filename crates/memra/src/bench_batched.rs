@@ -14,7 +14,7 @@ use memra_engine::engine::{Engine, Event, GenerationParams, Request};
 use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
 
-use crate::bench::Format;
+use crate::bench::{tokens, Format};
 use crate::generate::{load, start_engine, DefaultPool, Device, ModelArgs};
 
 pub struct BatchedArgs {
@@ -49,19 +49,6 @@ impl Row {
     }
 }
 
-/// Random token ids (xorshift, seeded), avoiding the model's special tokens' range ends.
-fn random_ids(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % n_vocab as u64) as u32
-        })
-        .collect()
-}
-
 /// One row: B requests at once; returns the timings.
 fn measure(
     engine: &Engine,
@@ -73,12 +60,12 @@ fn measure(
     seed: u64,
 ) -> Result<Row> {
     let nv = model.decoder.hp.n_vocab;
-    let prefix = random_ids(shared.min(pp), nv, seed);
+    let prefix = tokens(shared.min(pp), nv, seed);
     let start = Instant::now();
     let handles = (0..b)
         .map(|i| {
             let mut prompt = prefix.clone();
-            prompt.extend(random_ids(pp - prefix.len(), nv, seed + 1 + i as u64));
+            prompt.extend(tokens(pp - prefix.len(), nv, seed + 1 + i as u64));
             engine.submit(Request {
                 prompt,
                 params: GenerationParams {

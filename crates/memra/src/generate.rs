@@ -246,7 +246,7 @@ pub fn start_engine(
     pool: DefaultPool,
 ) -> Result<Engine> {
     if parallel == 0 {
-        bail!("--parallel must be at least 1");
+        bail!("at least one sequence must run at a time");
     }
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");

@@ -134,9 +134,9 @@ pub(super) fn run(
         .unwrap_or_else(|_| Err("internal error in the forward pass".to_string()));
         drop(picks);
         let mut samplers = samplers.into_iter();
-        for (s, &n_rows) in step.seqs.iter().zip(&rows) {
+        for s in &step.seqs {
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
-            if l.sampler.is_none() && n_rows > 0 {
+            if l.sampler.is_none() {
                 l.sampler = samplers.next();
             }
         }
@@ -170,7 +170,7 @@ pub(super) fn run(
                 .last()
                 .expect("a row for the last token");
             if let Some(reason) = sample(tok, l, last, &mut sched, s.id) {
-                finish(&mut sched, &mut live, s.id, Some(reason));
+                finish(&mut sched, &mut live, s.id, reason);
             }
         }
     }
@@ -220,14 +220,7 @@ fn build_batch(
 
 /// `log softmax(row)[id]`.
 fn log_softmax_at(row: &[f32], id: u32) -> f32 {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let lse = f64::from(max)
-        + row
-            .iter()
-            .map(|&v| f64::from(v - max).exp())
-            .sum::<f64>()
-            .ln();
-    (f64::from(row[id as usize]) - lse) as f32
+    crate::sampler::log_prob(row, id) as f32
 }
 
 /// The `n` best tokens of `row` with their log-probabilities.
@@ -293,17 +286,9 @@ fn sample(
 }
 
 /// Ends a sequence: the text held back, the scores, the counts; its blocks go back.
-fn finish(
-    sched: &mut Scheduler,
-    live: &mut HashMap<SeqId, Live>,
-    id: SeqId,
-    reason: Option<FinishReason>,
-) {
+fn finish(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, reason: FinishReason) {
     let seq = sched.remove(id);
     let Some(mut l) = live.remove(&id) else {
-        return;
-    };
-    let Some(reason) = reason else {
         return;
     };
     let mut text = String::new();
