@@ -153,11 +153,6 @@ impl Scheduler {
             .expect("scheduled sequences run")
     }
 
-    /// Blocks needed to hold `n` positions.
-    fn blocks_for(&self, n: usize) -> usize {
-        n.div_ceil(self.blocks.block_size())
-    }
-
     /// Gives every block of `seq` back (last first, so the pool reuses a sequence's tail
     /// before its head) and rewinds it to be recomputed.
     fn free_blocks(
@@ -374,12 +369,6 @@ impl Scheduler {
         };
         Self::free_blocks(&mut self.blocks, &mut self.inflight, &mut seq);
         Some(seq)
-    }
-
-    /// Blocks needed by a sequence of `n` positions; a request needing more than the pool
-    /// has can never run.
-    pub fn blocks_needed(&self, n: usize) -> usize {
-        self.blocks_for(n)
     }
 
     /// Checks (tests) that the blocks held by sequences are exactly the blocks with a
