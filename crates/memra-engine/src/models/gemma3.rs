@@ -10,9 +10,9 @@ use std::sync::Arc;
 use memra_gguf::GgufFile;
 
 use super::layers::{Activation, Decoder, Hyper, Layer, LayerOptions};
+use super::rope::{Rope, RopeLayout};
 use super::weights::TensorSource;
 use super::{embeddings, ModelError};
-use crate::backend::cpu::ops::{Rope, RopeLayout};
 
 /// Every sixth layer attends globally; the others through the sliding window.
 const SWA_PATTERN: usize = 6;

@@ -6,11 +6,12 @@
 use memra_gguf::{Metadata, MetadataError};
 use rayon::prelude::*;
 
+use super::rope::Rope;
 use super::weights::{Linear, TensorSource};
 use super::ModelError;
 use crate::backend::cpu::kv::KvPool;
 use crate::backend::cpu::matmul::{matmul_with, ActFormat, QuantizedActs, WeightRows};
-use crate::backend::cpu::ops::{self, AttentionShape, PagedQuery, Rope};
+use crate::backend::cpu::ops::{self, AttentionShape, PagedQuery};
 use crate::batch::ForwardBatch;
 use crate::kv::{BlockId, DEFAULT_BLOCK_SIZE};
 
@@ -425,8 +426,8 @@ impl Decoder {
             ops::rms_norm(&mut k, w, hp.rms_eps);
         }
         let positions: Vec<usize> = at.queries.iter().map(|q| q.pos).collect();
-        l.rope.apply(&mut q, dk, &positions);
-        l.rope.apply(&mut k, dk, &positions);
+        ops::rope(&l.rope, &mut q, dk, &positions);
+        ops::rope(&l.rope, &mut k, dk, &positions);
         let (kr, vr) = (hp.n_head_kv * dk, hp.n_head_kv * dv);
         for (i, &slot) in at.slots.iter().enumerate() {
             let slot = slot as usize;

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use memra_gguf::GgufFile;
 
 use super::layers::{Activation, Decoder, Hyper, Layer, LayerOptions};
+use super::rope::{Rope, RopeLayout};
 use super::weights::TensorSource;
 use super::{embeddings, ModelError};
-use crate::backend::cpu::ops::{Rope, RopeLayout};
 
 pub fn load(file: &Arc<GgufFile>, hp: &Hyper) -> Result<Decoder, ModelError> {
     load_with(file, hp, "llama", RopeLayout::Interleaved, false, None)

@@ -8,6 +8,7 @@ mod llama;
 mod qwen2;
 mod qwen3;
 mod qwen3moe;
+pub mod rope;
 pub mod weights;
 
 use std::path::Path;

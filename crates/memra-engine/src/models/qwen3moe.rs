@@ -7,8 +7,8 @@ use std::sync::Arc;
 use memra_gguf::GgufFile;
 
 use super::layers::{Decoder, Hyper};
+use super::rope::RopeLayout;
 use super::ModelError;
-use crate::backend::cpu::ops::RopeLayout;
 
 pub fn load(file: &Arc<GgufFile>, hp: &Hyper) -> Result<Decoder, ModelError> {
     let m = &file.metadata;

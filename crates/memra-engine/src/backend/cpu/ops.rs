@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+use crate::models::rope::{Rope, RopeLayout};
+
 /// Row-wise RMS norm of `x` (rows of `weight.len()`), times `weight`, in place.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     let n = weight.len();
@@ -19,55 +21,32 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-/// How rotary embedding pairs up dimensions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RopeLayout {
-    /// Adjacent pairs (2i, 2i+1): Llama (ggml `LLAMA_ROPE_TYPE_NORM`).
-    Interleaved,
-    /// Halves (i, i + d/2): GPT-NeoX, Qwen, Gemma (ggml `LLAMA_ROPE_TYPE_NEOX`).
-    Halves,
-}
-
-/// Rotary position embedding parameters of one layer.
-#[derive(Clone, Debug)]
-pub struct Rope {
-    pub layout: RopeLayout,
-    /// Rotated dimensions per head (the rest pass through).
-    pub n_dims: usize,
-    pub base: f32,
-    /// Position multiplier (linear scaling: 1 / factor).
-    pub freq_scale: f32,
-    /// Per-frequency divisors (`rope_freqs.weight`, Llama 3.1 style scaling).
-    pub freq_factors: Option<Vec<f32>>,
-}
-
-impl Rope {
-    /// Rotates `heads` heads of `head_dim` in each row of `x`; row `t` is at `positions[t]`.
-    pub fn apply(&self, x: &mut [f32], head_dim: usize, positions: &[usize]) {
-        let half = self.n_dims / 2;
-        let theta: Vec<f32> = (0..half)
-            .map(|i| {
-                let t = self.base.powf(-2.0 * i as f32 / self.n_dims as f32);
-                match &self.freq_factors {
-                    Some(f) => t / f[i],
-                    None => t,
-                }
-            })
-            .collect();
-        let row_len = x.len() / positions.len();
-        for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
-            let p = pos as f32 * self.freq_scale;
-            let (sin, cos): (Vec<f32>, Vec<f32>) = theta.iter().map(|t| (p * t).sin_cos()).unzip();
-            for head in row.chunks_exact_mut(head_dim) {
-                for i in 0..half {
-                    let (a, b) = match self.layout {
-                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-                        RopeLayout::Halves => (i, i + half),
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * cos[i] - x1 * sin[i];
-                    head[b] = x0 * sin[i] + x1 * cos[i];
-                }
+/// Rotary embedding of `x` in place: every head of `head_dim` in row `t` rotated for
+/// position `positions[t]`.
+pub fn rope(r: &Rope, x: &mut [f32], head_dim: usize, positions: &[usize]) {
+    let half = r.n_dims / 2;
+    let theta: Vec<f32> = (0..half)
+        .map(|i| {
+            let t = r.base.powf(-2.0 * i as f32 / r.n_dims as f32);
+            match &r.freq_factors {
+                Some(f) => t / f[i],
+                None => t,
+            }
+        })
+        .collect();
+    let row_len = x.len() / positions.len();
+    for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
+        let p = pos as f32 * r.freq_scale;
+        let (sin, cos): (Vec<f32>, Vec<f32>) = theta.iter().map(|t| (p * t).sin_cos()).unzip();
+        for head in row.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let (a, b) = match r.layout {
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    RopeLayout::Halves => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos[i] - x1 * sin[i];
+                head[b] = x0 * sin[i] + x1 * cos[i];
             }
         }
     }
@@ -204,7 +183,7 @@ mod tests {
             if layout == RopeLayout::Halves {
                 x = vec![1.0, 0.0, 0.0, 0.0];
             }
-            rope.apply(&mut x, 4, &[3]);
+            super::rope(&rope, &mut x, 4, &[3]);
             // Dimension pair 0 rotates by 3 * base^0 = 3 radians.
             let (a, b) = match layout {
                 RopeLayout::Interleaved => (x[0], x[1]),

@@ -8,8 +8,8 @@ use super::matvec::{supported, upload_weights, ExpertWeights};
 use super::ops::{AttentionShape, DeviceRope};
 use super::{CudaDevice, CudaError};
 use crate::backend::cpu::matmul::WeightRows;
-use crate::backend::cpu::ops::RopeLayout;
 use crate::models::layers::{Decoder, Ffn};
+use crate::models::rope::RopeLayout;
 use crate::models::weights::Linear;
 
 pub(super) struct GpuLinear {
