@@ -131,7 +131,7 @@ pub struct PagedKv<'a> {
     pub ctx_len: CudaView<'a, i32>,
     pub block_tables: CudaView<'a, i32>,
     pub max_blocks: usize,
-    /// Positions per block: a power of two, at least 16.
+    /// Positions per block: a power of two (16 for the decode kernel).
     pub block_size: usize,
     pub n_seqs: usize,
     /// Slots in the pool (bounds what a block table may point at).
@@ -139,17 +139,19 @@ pub struct PagedKv<'a> {
 }
 
 impl PagedKv<'_> {
-    /// Checks the layout against the pool; returns log2 of the block size.
-    fn check(
+    /// Checks the layout against the pool and the shape; returns the attention kernels'
+    /// integer arguments in their order: max_blocks, log2 of the block size, n_head,
+    /// n_head_kv, window.
+    fn kernel_ints(
         &self,
-        kv_row: usize,
+        s: &AttentionShape,
         k_cache: &CudaSlice<f16>,
         v_cache: &CudaSlice<f16>,
-    ) -> Result<i32, CudaError> {
+    ) -> Result<[i32; 5], CudaError> {
+        let kv_row = s.n_head_kv * s.head_dim;
         check(
-            // The decode kernel finds a 32-key step's slots in at most three blocks.
+            // Any power of two for prompts; the decode kernel checks for its own size.
             self.block_size.is_power_of_two()
-                && self.block_size >= 16
                 && self.ctx_len.len() >= self.n_seqs
                 && self.block_tables.len() >= self.n_seqs * self.max_blocks
                 && k_cache.len() >= self.pool_slots * kv_row
@@ -157,7 +159,13 @@ impl PagedKv<'_> {
                 && self.n_seqs > 0,
             "paged attention: layout",
         )?;
-        Ok(self.block_size.trailing_zeros() as i32)
+        Ok([
+            self.max_blocks as i32,
+            self.block_size.trailing_zeros() as i32,
+            s.n_head as i32,
+            s.n_head_kv as i32,
+            s.window as i32,
+        ])
     }
 }
 
@@ -249,7 +257,7 @@ pub fn attention_decode(
     n_split: usize,
 ) -> Result<(), CudaError> {
     s.supported()?;
-    let bs_log2 = kv.check(s.n_head_kv * s.head_dim, k_cache, v_cache)?;
+    let ints = kv.kernel_ints(s, k_cache, v_cache)?;
     // DECODE_BLOCK in attention.cu: the kernel's slot arithmetic is compiled for it.
     check(
         kv.block_size == 16,
@@ -270,13 +278,6 @@ pub fn attention_decode(
         block_dim: (64, 1, 1),
         shared_mem_bytes: 0,
     };
-    let ints = [
-        kv.max_blocks as i32,
-        bs_log2,
-        s.n_head as i32,
-        s.n_head_kv as i32,
-        s.window as i32,
-    ];
     let ns = n_split as i32;
     // SAFETY: shapes checked above; the caller keeps each context length within its
     // sequence's blocks and every block below the pool's.
@@ -384,7 +385,7 @@ pub fn attention_prefill(
     longest: usize,
 ) -> Result<(), CudaError> {
     s.supported()?;
-    let bs_log2 = kv.check(s.n_head_kv * s.head_dim, k_cache, v_cache)?;
+    let ints = kv.kernel_ints(s, k_cache, v_cache)?;
     let d = s.head_dim;
     check(
         q.len() >= n_q * s.n_head * d
@@ -419,13 +420,6 @@ pub fn attention_prefill(
         block_dim: (256, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let ints = [
-        kv.max_blocks as i32,
-        bs_log2,
-        s.n_head as i32,
-        s.n_head_kv as i32,
-        s.window as i32,
-    ];
     // SAFETY: shapes checked above; the caller keeps q_start within the n_q rows, each
     // context length within its sequence's blocks and every block below the pool's.
     unsafe {
