@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
+use crate::backend::cpu::kv::KvCache;
 use crate::backend::cuda::decoder::GpuDecoder;
 use crate::backend::cuda::CudaError;
-use crate::models::{Decoder, KvCache, LogitRows, Model, ModelError};
+use crate::models::{Decoder, LogitRows, Model, ModelError};
 use crate::sampler::{Sampler, SamplerConfig, SamplerError};
 
 #[derive(Debug, thiserror::Error)]

@@ -2,6 +2,7 @@
 //! (by GGUF key and tensor name) into the shared [`layers::Decoder`]; adding an
 //! architecture is one file and one line in [`REGISTRY`].
 
+pub mod forward;
 mod gemma3;
 pub mod layers;
 mod llama;
@@ -17,7 +18,7 @@ use std::sync::Arc;
 use memra_gguf::{GgmlType, GgufError, GgufFile, MetadataError};
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
-pub use layers::{Decoder, KvCache, LogitRows};
+pub use layers::{Decoder, LogitRows};
 use weights::TensorSource;
 
 #[derive(Debug, thiserror::Error)]

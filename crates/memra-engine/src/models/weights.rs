@@ -7,7 +7,15 @@ use memra_gguf::quant::{can_dequantize, dequantize_to_vec};
 use memra_gguf::{GgmlType, GgufFile, TensorInfo};
 
 use super::ModelError;
-use crate::backend::cpu::matmul::WeightRows;
+
+/// A weight matrix of `n_out` rows of `n_in` elements, in its file encoding.
+pub trait WeightRows: Sync {
+    fn ty(&self) -> GgmlType;
+    fn n_in(&self) -> usize;
+    fn n_out(&self) -> usize;
+    /// The encoded bytes of row `r`.
+    fn row(&self, r: usize) -> &[u8];
+}
 
 /// A tensor of the model file (zero-copy).
 #[derive(Clone)]

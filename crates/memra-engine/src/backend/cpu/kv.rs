@@ -1,6 +1,8 @@
 //! The CPU's paged KV pool: per layer, `num_blocks x block_size` slots of keys and of
 //! values (f32), addressed by the slots of a `ForwardBatch`.
 
+use crate::kv::BlockId;
+
 pub struct KvPool {
     pub block_size: usize,
     pub num_blocks: usize,
@@ -39,5 +41,33 @@ impl KvPool {
         self.num_blocks
             * self.block_size
             * Self::bytes_per_token(self.k.len(), self.k_row, self.v_row)
+    }
+}
+
+/// Keys and values of one sequence's past positions: a paged pool whose blocks the
+/// sequence holds in order, the one-sequence case of `Decoder::forward_batch`.
+pub struct KvCache {
+    pub(super) pool: KvPool,
+    pub(super) blocks: Vec<BlockId>,
+    pub(super) n_ctx: usize,
+    pub(super) len: usize,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    /// Forgets everything from position `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
     }
 }

@@ -10,6 +10,7 @@
 use memra_gguf::quant::{activation_type, dequantize};
 
 use super::unpack::unpack;
+use crate::models::weights::WeightRows;
 use memra_gguf::GgmlType;
 use rayon::prelude::*;
 
@@ -120,15 +121,6 @@ fn quantize_256(x: &[f32], q: &mut [i8]) -> f32 {
         *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
     }
     1.0 / iscale
-}
-
-/// A weight matrix of `n_out` rows of `n_in` elements, in its file encoding.
-pub trait WeightRows: Sync {
-    fn ty(&self) -> GgmlType;
-    fn n_in(&self) -> usize;
-    fn n_out(&self) -> usize;
-    /// The encoded bytes of row `r`.
-    fn row(&self, r: usize) -> &[u8];
 }
 
 /// Per-thread unpacking buffers.

@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+pub use crate::models::layers::AttentionShape;
 use crate::models::rope::{Rope, RopeLayout};
 
 /// Row-wise RMS norm of `x` (rows of `weight.len()`), times `weight`, in place.
@@ -73,17 +74,6 @@ pub fn softmax(x: &mut [f32]) {
     for v in x.iter_mut() {
         *v /= sum;
     }
-}
-
-/// The shape of one attention call.
-pub struct AttentionShape {
-    pub n_head: usize,
-    pub n_head_kv: usize,
-    pub head_dim_k: usize,
-    pub head_dim_v: usize,
-    pub scale: f32,
-    /// Keys a query may see, counting itself (sliding-window layers).
-    pub window: Option<usize>,
 }
 
 /// Causal attention of `t` queries at positions `p0..p0+t` over the first `p0 + t` cached

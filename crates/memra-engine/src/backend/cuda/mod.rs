@@ -9,12 +9,14 @@
 //! decode step).
 
 mod buffers;
+mod decode;
 pub mod decoder;
 pub mod gemm;
 pub mod graph;
 pub mod matvec;
 pub mod ops;
 pub mod probe;
+mod prompt;
 pub mod sampling;
 mod weights;
 

@@ -8,6 +8,7 @@ use memra_gguf::GgmlType;
 
 use super::matvec::{device_type_id, regrouped, DeviceActs};
 use super::{CudaDevice, CudaError};
+pub use crate::models::layers::AttentionShape;
 
 const THREADS: u32 = 256;
 
@@ -91,34 +92,23 @@ pub struct DeviceRope {
     pub freq_factors: Option<CudaSlice<f32>>,
 }
 
-/// The shape of the attention of a layer.
-pub struct AttentionShape {
-    pub n_head: usize,
-    pub n_head_kv: usize,
-    /// Head dimension of keys and values (these kernels need them equal).
-    pub head_dim: usize,
-    pub scale: f32,
-    /// Sliding window in positions, 0 for none.
-    pub window: usize,
-}
-
-impl AttentionShape {
-    /// The head dimensions the kernels are instantiated for.
-    pub fn supported(&self) -> Result<(), CudaError> {
-        if !matches!(self.head_dim, 32 | 64 | 128 | 256) {
-            return Err(CudaError::Invalid(format!(
-                "attention with head dimension {} (the kernels take 32, 64, 128 or 256)",
-                self.head_dim
-            )));
-        }
-        if self.n_head % self.n_head_kv != 0 || self.n_head / self.n_head_kv > MAX_GROUP {
-            return Err(CudaError::Invalid(format!(
-                "{} query heads over {} kv heads (at most {MAX_GROUP} per kv head)",
-                self.n_head, self.n_head_kv
-            )));
-        }
-        Ok(())
+/// Checks that the kernels are instantiated for a layer's attention shape: equal key and
+/// value widths of 32, 64, 128 or 256, and at most MAX_GROUP query heads per kv head.
+pub fn check_shape(s: &AttentionShape) -> Result<(), CudaError> {
+    if s.head_dim_k != s.head_dim_v || !matches!(s.head_dim_k, 32 | 64 | 128 | 256) {
+        return Err(CudaError::Invalid(format!(
+            "attention with key and value heads of {} and {} (the kernels take equal widths \
+             of 32, 64, 128 or 256)",
+            s.head_dim_k, s.head_dim_v
+        )));
     }
+    if s.n_head % s.n_head_kv != 0 || s.n_head / s.n_head_kv > MAX_GROUP {
+        return Err(CudaError::Invalid(format!(
+            "{} query heads over {} kv heads (at most {MAX_GROUP} per kv head)",
+            s.n_head, s.n_head_kv
+        )));
+    }
+    Ok(())
 }
 
 /// Query heads per kv head the decode kernel handles (`MAX_GROUP` in attention.cu).
@@ -148,7 +138,7 @@ impl PagedKv<'_> {
         k_cache: &CudaSlice<f16>,
         v_cache: &CudaSlice<f16>,
     ) -> Result<[i32; 5], CudaError> {
-        let kv_row = s.n_head_kv * s.head_dim;
+        let kv_row = s.n_head_kv * s.head_dim_k;
         check(
             // Any power of two for prompts; the decode kernel checks for its own size.
             self.block_size.is_power_of_two()
@@ -164,7 +154,7 @@ impl PagedKv<'_> {
             self.block_size.trailing_zeros() as i32,
             s.n_head as i32,
             s.n_head_kv as i32,
-            s.window as i32,
+            s.window.unwrap_or(0) as i32,
         ])
     }
 }
@@ -188,7 +178,7 @@ pub fn rope_qk_append(
     n_tok: usize,
     pool_slots: usize,
 ) -> Result<(), CudaError> {
-    let (nh, nkv, dk) = (shape.n_head, shape.n_head_kv, shape.head_dim);
+    let (nh, nkv, dk) = (shape.n_head, shape.n_head_kv, shape.head_dim_k);
     check(
         q.len() >= n_tok * nh * dk
             && k.len() >= n_tok * nkv * dk
@@ -256,7 +246,7 @@ pub fn attention_decode(
     kv: &PagedKv,
     n_split: usize,
 ) -> Result<(), CudaError> {
-    s.supported()?;
+    check_shape(s)?;
     let ints = kv.kernel_ints(s, k_cache, v_cache)?;
     // DECODE_BLOCK in attention.cu: the kernel's slot arithmetic is compiled for it.
     check(
@@ -265,13 +255,13 @@ pub fn attention_decode(
     )?;
     let n = kv.n_seqs;
     check(
-        q.len() >= n * s.n_head * s.head_dim
+        q.len() >= n * s.n_head * s.head_dim_k
             && (1..=MAX_SPLITS).contains(&n_split)
-            && part_o.len() >= n * MAX_SPLITS * s.n_head * s.head_dim
+            && part_o.len() >= n * MAX_SPLITS * s.n_head * s.head_dim_k
             && part_ml.len() >= n * MAX_SPLITS * s.n_head * 2,
         "attention_decode: shapes",
     )?;
-    let f = dev.function("attention", decode_kernel(s.head_dim))?;
+    let f = dev.function("attention", decode_kernel(s.head_dim_k))?;
     // Two warps (DECODE_WARPS in attention.cu).
     let cfg = LaunchConfig {
         grid_dim: (s.n_head_kv as u32, n_split as u32, n as u32),
@@ -333,20 +323,20 @@ pub fn attention_combine_into(
     n_split: usize,
     n_seqs: usize,
 ) -> Result<(), CudaError> {
-    let len = n_seqs * s.n_head * s.head_dim;
+    let len = n_seqs * s.n_head * s.head_dim_k;
     check(
         acts.q.len() >= len
             && (1..=MAX_SPLITS).contains(&n_split)
-            && part_o.len() >= n_seqs * MAX_SPLITS * s.n_head * s.head_dim
+            && part_o.len() >= n_seqs * MAX_SPLITS * s.n_head * s.head_dim_k
             && part_ml.len() >= n_seqs * MAX_SPLITS * s.n_head * 2
             && out.as_ref().is_none_or(|o| o.len() >= len),
         "attention_combine: shapes",
     )?;
     let f = dev.function("attention", "attn_combine")?;
     // SPLIT_GROUPS (4) threads per dimension (attention.cu).
-    let mut cfg = blocks(s.n_head, 4 * s.head_dim as u32);
+    let mut cfg = blocks(s.n_head, 4 * s.head_dim_k as u32);
     cfg.grid_dim.1 = n_seqs as u32;
-    let (nh, d, ns, null) = (s.n_head as i32, s.head_dim as i32, n_split as i32, 0u64);
+    let (nh, d, ns, null) = (s.n_head as i32, s.head_dim_k as i32, n_split as i32, 0u64);
     // SAFETY: n_seqs x MAX_SPLITS x n_head x head_dim partials and n_seqs x n_head x
     // head_dim outputs (checked above).
     unsafe {
@@ -384,9 +374,9 @@ pub fn attention_prefill(
     n_q: usize,
     longest: usize,
 ) -> Result<(), CudaError> {
-    s.supported()?;
+    check_shape(s)?;
     let ints = kv.kernel_ints(s, k_cache, v_cache)?;
-    let d = s.head_dim;
+    let d = s.head_dim_k;
     check(
         q.len() >= n_q * s.n_head * d
             && out.len() >= n_q * s.n_head * d
@@ -802,16 +792,9 @@ mod tests {
             let shape = AttentionShape {
                 n_head: nh,
                 n_head_kv: nkv,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-                window,
-            };
-            let cpu_shape = cpu::AttentionShape {
-                n_head: nh,
-                n_head_kv: nkv,
                 head_dim_k: d,
                 head_dim_v: d,
-                scale: shape.scale,
+                scale: 1.0 / (d as f32).sqrt(),
                 window: (window > 0).then_some(window),
             };
             // Two sequences: the case, and a shorter one.
@@ -851,7 +834,7 @@ mod tests {
                 let kf: Vec<f32> = k16.iter().map(|v| v.to_f32()).collect();
                 let vf: Vec<f32> = v16.iter().map(|v| v.to_f32()).collect();
                 let mut want = vec![0f32; n * nh * d];
-                cpu::attention(&cpu_shape, &q, &kf, &vf, p, &mut want);
+                cpu::attention(&shape, &q, &kf, &vf, p, &mut want);
                 let last = (n - 1) * nh * d;
                 q_last.extend_from_slice(&q[last..]);
                 want_last.extend_from_slice(&want[last..]);

@@ -5,12 +5,11 @@
 use cudarc::driver::CudaSlice;
 
 use super::matvec::{supported, upload_weights, ExpertWeights};
-use super::ops::{AttentionShape, DeviceRope};
+use super::ops::{check_shape, AttentionShape, DeviceRope};
 use super::{CudaDevice, CudaError};
-use crate::backend::cpu::matmul::WeightRows;
 use crate::models::layers::{Decoder, Ffn};
 use crate::models::rope::RopeLayout;
-use crate::models::weights::Linear;
+use crate::models::weights::{Linear, WeightRows};
 
 pub(super) struct GpuLinear {
     pub(super) w: CudaSlice<u8>,
@@ -148,8 +147,6 @@ impl GpuWeights {
     /// Uploads `model`: its matrices if every type has kernels and rows are multiples of
     /// 32 weights, else a clear error before anything large is allocated.
     pub(super) fn upload(dev: &CudaDevice, model: &Decoder) -> Result<GpuWeights, CudaError> {
-        let hp = &model.hp;
-        let hd = hp.head_dim_k;
         let mut small = 0usize;
         let mut up_f32 = |v: &[f32]| -> Result<CudaSlice<f32>, CudaError> {
             small += 4 * v.len();
@@ -227,14 +224,8 @@ impl GpuWeights {
             };
             type Upload<'a> = dyn FnMut(&[f32]) -> Result<CudaSlice<f32>, CudaError> + 'a;
             let opt = |v: &Option<Vec<f32>>, up: &mut Upload| v.as_deref().map(up).transpose();
-            let attn = AttentionShape {
-                n_head: hp.n_head,
-                n_head_kv: hp.n_head_kv,
-                head_dim: hd,
-                scale: model.attn_scale,
-                window: l.window.unwrap_or(0),
-            };
-            attn.supported()?;
+            let attn = model.attention_shape(l);
+            check_shape(&attn)?;
             layers.push(GpuLayer {
                 attn_norm: up_f32(&l.attn_norm)?,
                 wq: upload(&l.wq)?,

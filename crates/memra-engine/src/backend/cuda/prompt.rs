@@ -1,0 +1,341 @@
+//! The GPU's operations of a prompt batch ([`LayerOps`]): up to [`MAX_BATCH`] tokens of
+//! any number of sequences (prompt chunks, perplexity), through f16 GEMMs on weights
+//! dequantized one matrix (or chunk of rows) at a time into a scratch buffer, and paged
+//! flash attention. Mixture-of-experts FFNs run through the decode kernels, every token's
+//! chosen experts in one launch per projection. The rows that need logits go through the
+//! decode kernels (up to [`MAX_DECODE_ROWS`]) or one output GEMM.
+
+use cudarc::driver::{CudaSlice, CudaView};
+use half::f16;
+
+#[cfg(doc)]
+use super::buffers::MAX_BATCH;
+use super::buffers::{
+    gemm_chunk_rows, BatchBuffers, StepBuffers, Widths, GEMM_SCRATCH, MAX_DECODE_ROWS,
+};
+use super::decode::{moe_ffn, output_logits, qk_extras};
+use super::gemm::Gemm;
+use super::ops;
+use super::weights::{GpuFfn, GpuLinear, GpuWeights};
+use super::{CudaDevice, CudaError};
+use crate::models::forward::LayerOps;
+use crate::models::layers::Hyper;
+
+/// Where the logits of a step's rows are.
+pub(super) enum Logits {
+    /// Rows of `step.logits` on the device (the decode kernels computed them); `best` when
+    /// the first row's argmax is in `step.best` already (the captured graph does it).
+    Device { best: bool },
+    /// Rows on the host (soft-capped where the model caps them).
+    Host(Vec<f32>),
+}
+
+/// One prompt batch's launches over the batch buffers (and the step buffers, for the
+/// logits of a few rows).
+pub(super) struct PromptPass<'a> {
+    pub dev: &'a CudaDevice,
+    pub hp: &'a Hyper,
+    pub w: &'a GpuWeights,
+    pub k_cache: &'a mut [CudaSlice<f16>],
+    pub v_cache: &'a mut [CudaSlice<f16>],
+    pub bb: &'a mut BatchBuffers,
+    pub step: &'a mut StepBuffers,
+    /// Tokens and sequences in the batch, and the longest sequence's tokens.
+    pub n: usize,
+    pub n_seqs: usize,
+    pub longest: usize,
+    /// Batch rows whose logits the pass returns.
+    pub rows: Vec<usize>,
+    pub pool_slots: usize,
+    pub block_size: usize,
+    pub embd_scale: f32,
+    pub gelu: bool,
+    pub softcap: Option<f32>,
+    /// `bb.o` holds a block's output not yet added to the residual stream.
+    pub pending: bool,
+    /// The head's result, and device bytes it allocated (a larger logits buffer).
+    pub logits: Option<Logits>,
+    pub grown: usize,
+}
+
+impl PromptPass<'_> {
+    /// `bb.x += bb.o` (when pending), normed by `norm` into `bb.xh` (f16).
+    fn add_norm(&mut self, norm: &CudaSlice<f32>) -> Result<(), CudaError> {
+        let bb = &mut *self.bb;
+        let o = self.pending.then_some(&bb.o);
+        ops::add_norm_f16(
+            self.dev,
+            &mut bb.x,
+            o,
+            norm,
+            &mut bb.xh,
+            self.n,
+            self.hp.rms_eps,
+        )
+    }
+
+    /// `y = xh[..n x w.n_in] . w^T`.
+    fn linear(&mut self, w: &GpuLinear, y: Out) -> Result<(), CudaError> {
+        let (bb, n) = (&mut *self.bb, self.n);
+        let xh = bb.xh.slice(..n * w.n_in);
+        let y = match y {
+            Out::Q => &mut bb.q,
+            Out::K => &mut bb.k,
+            Out::V => &mut bb.v,
+            Out::O => &mut bb.o,
+            Out::G => &mut bb.g,
+            Out::U => &mut bb.u,
+            Out::Router => &mut bb.moe.router,
+        };
+        linear(self.dev, &bb.gemm, &mut bb.w, w, &xh, y, n)
+    }
+}
+
+/// The batch buffer a [`PromptPass::linear`] writes.
+enum Out {
+    Q,
+    K,
+    V,
+    O,
+    G,
+    U,
+    Router,
+}
+
+impl LayerOps for PromptPass<'_> {
+    type Error = CudaError;
+
+    fn embed(&mut self) -> Result<(), CudaError> {
+        let (bb, te) = (&mut *self.bb, &self.w.token_embd);
+        let ids = bb.meta.ids();
+        ops::embed_rows(
+            self.dev,
+            &te.w,
+            te.ty,
+            &ids,
+            &mut bb.x,
+            self.hp.n_embd,
+            self.n,
+            self.embd_scale,
+        )
+    }
+
+    fn attention(&mut self, li: usize) -> Result<(), CudaError> {
+        let (dev, n, l) = (self.dev, self.n, &self.w.layers[li]);
+        self.add_norm(&l.attn_norm)?;
+        self.linear(&l.wq, Out::Q)?;
+        self.linear(&l.wk, Out::K)?;
+        self.linear(&l.wv, Out::V)?;
+        let bb = &mut *self.bb;
+        qk_extras(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n, self.hp.rms_eps)?;
+        let (pos, slots, q_start) = (bb.meta.pos(), bb.meta.slots(), bb.meta.q_start());
+        ops::rope_qk_append(
+            dev,
+            &mut bb.q,
+            &bb.k,
+            &bb.v,
+            &mut self.k_cache[li],
+            &mut self.v_cache[li],
+            &l.attn,
+            &l.rope,
+            &pos,
+            &slots,
+            n,
+            self.pool_slots,
+        )?;
+        let kv = bb.meta.paged(self.n_seqs, self.block_size, self.pool_slots);
+        ops::attention_prefill(
+            dev,
+            &l.attn,
+            &bb.q,
+            &self.k_cache[li],
+            &self.v_cache[li],
+            &mut bb.xh,
+            &q_start,
+            &kv,
+            n,
+            self.longest,
+        )?;
+        self.linear(&l.wo, Out::O)?;
+        if let Some(w) = &l.post_attn_norm {
+            ops::rms_norm_inplace(dev, &mut self.bb.o, w, n, self.hp.rms_eps)?;
+        }
+        self.pending = true;
+        Ok(())
+    }
+
+    fn ffn(&mut self, li: usize) -> Result<(), CudaError> {
+        let (dev, n, l) = (self.dev, self.n, &self.w.layers[li]);
+        let (e, eps) = (self.hp.n_embd, self.hp.rms_eps);
+        self.add_norm(&l.ffn_norm)?;
+        match &l.ffn {
+            GpuFfn::Dense { gate, up, down } => {
+                self.linear(gate, Out::G)?;
+                self.linear(up, Out::U)?;
+                let (bb, f) = (&mut *self.bb, gate.n_out);
+                ops::gated_f16(
+                    dev,
+                    &bb.g,
+                    &bb.u,
+                    &mut bb.xh,
+                    &mut bb.row_scale,
+                    n,
+                    f,
+                    self.gelu,
+                )?;
+                self.linear(down, Out::O)?;
+                let bb = &mut *self.bb;
+                ops::scale_rows(dev, &mut bb.o, &bb.row_scale, n, e)?;
+            }
+            GpuFfn::Experts(xp) => {
+                // The router is a GEMM on the f16 rows; the experts go through the decode
+                // kernels (no grouped GEMM yet: each token reads its experts' weights).
+                self.linear(&xp.router, Out::Router)?;
+                let bb = &mut *self.bb;
+                let acts = bb.moe_acts.as_mut().expect("allocated with expert layers");
+                // The normed rows again, as int8 (bb.o is free: it takes a copy of x).
+                acts.add_norm_quantize(dev, &bb.x, None, &mut bb.o, &l.ffn_norm, n, eps)?;
+                moe_ffn(
+                    dev,
+                    xp,
+                    acts,
+                    &mut bb.g,
+                    &mut bb.u,
+                    &mut bb.moe,
+                    &mut bb.o,
+                    n,
+                    self.gelu,
+                )?;
+            }
+        }
+        if let Some(w) = &l.post_ffn_norm {
+            ops::rms_norm_inplace(dev, &mut self.bb.o, w, n, eps)?;
+        }
+        self.pending = true;
+        Ok(())
+    }
+
+    fn head(&mut self) -> Result<(), CudaError> {
+        let (dev, e, eps) = (self.dev, self.hp.n_embd, self.hp.rms_eps);
+        let rows = std::mem::take(&mut self.rows);
+        if rows.is_empty() {
+            self.logits = Some(Logits::Host(Vec::new()));
+            return Ok(());
+        }
+        let (norm, out) = (&self.w.output_norm, &self.w.output);
+        if rows.len() <= MAX_DECODE_ROWS {
+            // Few rows: their residual streams into the step buffers and the decode
+            // kernels (no dequantized output matrix).
+            let (bb, s) = (&*self.bb, &mut *self.step);
+            for (i, &r) in rows.iter().enumerate() {
+                let (src, dst) = (r * e..(r + 1) * e, i * e..(i + 1) * e);
+                dev.stream
+                    .memcpy_dtod(&bb.x.slice(src.clone()), &mut s.x[0].slice_mut(dst.clone()))?;
+                if self.pending {
+                    dev.stream
+                        .memcpy_dtod(&bb.o.slice(src), &mut s.o.slice_mut(dst))?;
+                }
+            }
+            let [xa, xb] = &mut s.x;
+            let o = self.pending.then_some(&s.o);
+            output_logits(
+                dev,
+                norm,
+                out,
+                xa,
+                o,
+                xb,
+                &mut s.acts,
+                &mut s.logits,
+                rows.len(),
+                eps,
+            )?;
+            self.logits = Some(Logits::Device { best: false });
+            return Ok(());
+        }
+        self.add_norm(norm)?;
+        // The rows' normed activations together, consecutive rows in one copy.
+        let bb = &mut *self.bb;
+        let mut i = 0;
+        while i < rows.len() {
+            let mut j = i + 1;
+            while j < rows.len() && rows[j] == rows[j - 1] + 1 {
+                j += 1;
+            }
+            let (src, dst) = (rows[i] * e..(rows[j - 1] + 1) * e, i * e..j * e);
+            dev.stream
+                .memcpy_dtod(&bb.xh.slice(src), &mut bb.xh_rows.slice_mut(dst))?;
+            i = j;
+        }
+        let (r, nv) = (rows.len(), self.hp.n_vocab);
+        if bb.logits.as_ref().is_none_or(|l| l.len() < r * nv) {
+            bb.logits = Some(dev.stream.alloc_zeros(r * nv)?);
+            self.grown += r * nv * 4;
+        }
+        let logits = bb.logits.as_mut().expect("allocated above");
+        let xh = bb.xh_rows.slice(..r * e);
+        linear(dev, &bb.gemm, &mut bb.w, out, &xh, logits, r)?;
+        let mut host = dev.stream.clone_dtoh(&logits.slice(..r * nv))?;
+        if let Some(cap) = self.softcap {
+            host.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        }
+        self.logits = Some(Logits::Host(host));
+        Ok(())
+    }
+}
+
+/// The prompt batches' buffers: the largest dequantized weight chunk sizes the scratch.
+pub(super) fn alloc_batch(
+    dev: &CudaDevice,
+    w: &GpuWeights,
+    widths: &Widths,
+    max_blocks: usize,
+) -> Result<BatchBuffers, CudaError> {
+    // Matrices are dequantized in chunks of rows that fit GEMM_SCRATCH weights (at least
+    // one row); smaller models need less.
+    let w_max = w
+        .layers
+        .iter()
+        .flat_map(|l| {
+            let mut m = vec![&l.wq, &l.wk, &l.wv, &l.wo];
+            match &l.ffn {
+                GpuFfn::Dense { gate, up, down } => m.extend([gate, up, down]),
+                GpuFfn::Experts(x) => m.push(&x.router),
+            }
+            m
+        })
+        .chain([&w.output])
+        .map(|w| w.n_in * w.n_out.min(gemm_chunk_rows(GEMM_SCRATCH, w.n_in)))
+        .max()
+        .unwrap_or(0);
+    BatchBuffers::new(dev, &w.layers, widths, max_blocks, w_max)
+}
+
+/// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T` through f16 weights: F16 weights as they
+/// are, any other type dequantized into the scratch buffer first, in chunks of rows that
+/// fit it.
+fn linear(
+    dev: &CudaDevice,
+    gemm: &Gemm,
+    scratch: &mut CudaSlice<f16>,
+    w: &GpuLinear,
+    x: &CudaView<f16>,
+    y: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let rb = w.row_bytes();
+    if w.ty == memra_gguf::GgmlType::F16 {
+        let all = w.w.slice(..w.n_out * rb);
+        return gemm.f16_f32(dev, &all, x, y, 0, w.n_out, n, w.n_in, w.n_out);
+    }
+    let chunk = gemm_chunk_rows(scratch.len(), w.n_in);
+    for r0 in (0..w.n_out).step_by(chunk) {
+        let m = chunk.min(w.n_out - r0);
+        let rows = w.w.slice(r0 * rb..(r0 + m) * rb);
+        let mut dq = scratch.slice_mut(..m * w.n_in);
+        ops::dequantize_f16(dev, &rows, w.ty, &mut dq, m, w.n_in)?;
+        let dq = scratch.slice(..m * w.n_in);
+        gemm.f16_f32(dev, &dq, x, y, r0, m, n, w.n_in, w.n_out)?;
+    }
+    Ok(())
+}
