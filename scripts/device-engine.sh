@@ -17,23 +17,40 @@ synth() { # shape quant
   echo "$f"
 }
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 .device/engine-tests --ignored gpu_attention \
-    >"$out/sanitizer-$tool.log" 2>&1 && echo "compute-sanitizer $tool: attention kernels clean" \
-    || { echo "compute-sanitizer $tool: FAILED (see sanitizer-$tool.log)"; status=1; }
+  for t in gpu_attention gpu_sampling; do
+    compute-sanitizer --tool $tool --error-exitcode 9 .device/engine-tests --ignored $t \
+      >>"$out/sanitizer.log" 2>&1 && echo "compute-sanitizer $tool: $t clean" \
+      || { echo "compute-sanitizer $tool: $t FAILED (see sanitizer.log)"; status=1; }
+  done
 done
+# The whole decoder (prompt, decode and many-decode paths, device argmax) under memcheck,
+# on one tiny model.
+MEMRA_GPU_TEST_MODELS=.device/tiny/tiny-llama.gguf compute-sanitizer --tool memcheck --error-exitcode 9 \
+  .device/engine-tests --ignored gpu_decoder_matches >>"$out/sanitizer.log" 2>&1 \
+  && echo "compute-sanitizer memcheck: decoder paths clean" \
+  || { echo "compute-sanitizer memcheck: decoder FAILED (see sanitizer.log)"; status=1; }
 q4km=$(synth llama3-1b q4_k_m)
 q40=$(synth llama3-1b q4_0)
 tiny=$(ls .device/tiny/*.gguf | paste -sd,)
 export MEMRA_GPU_TEST_TEXT=.device/GPL-3
 MEMRA_GPU_TEST_MODELS="$tiny,$q40,$q4km" timeout 300 .device/engine-tests --ignored gpu_ --test-threads 1 --nocapture \
   >"$out/tests.log" 2>&1 || status=1
-grep -E "^test |test result|panicked|preemptions" "$out/tests.log"
+grep -E "^test |test result|panicked|preemptions|sequences' decode| us\)" "$out/tests.log"
+# The engine's command-line clients on the GPU (tiny model).
+.device/memra perplexity -m .device/tiny/tiny-llama.gguf -f .device/GPL-3 -c 128 --chunks 4 --device cuda \
+  2>"$out/perplexity.log" | tail -n 2
+printf 'Hello there\nAnd again\n' | .device/memra chat -m .device/tiny/tiny-llama.gguf -n 8 --temp 0 --template chatml \
+  --device cuda >"$out/chat.log" 2>&1 && echo "chat --device cuda: ok ($(wc -c <"$out/chat.log") bytes)" \
+  || { echo "chat --device cuda: FAILED"; status=1; }
 f8=$(synth llama3-8b q4_k_m)
 .device/memra bench -m "$f8" -p 512 -n 128 -d 0,4096 -r 3 --device cuda 2>"$out/bench.log" | tee "$out/bench.md"
-.device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,16,64 --device cuda 2>"$out/batched.log" \
+.device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,8,16,32,64,256 --device cuda 2>"$out/batched.log" \
   | tee "$out/batched.md"
+# The other side of GEMM_DECODE_ROWS: every decode through the mat-vec kernels.
+MEMRA_GEMM_DECODE_ROWS=100000 .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 16,32,64 \
+  --device cuda 2>>"$out/batched.log" | tail -n 3
 for sp in 0 1024; do
-  .device/memra bench --batched -m "$f8" -npp 1152 -ntg 16 -npl 16 --shared-prefix $sp --device cuda \
+  .device/memra bench --batched -m "$f8" -npp 1152 -ntg 16 -npl 64 --shared-prefix $sp --device cuda \
     2>>"$out/batched.log" | tail -n 1
 done
 grep "KV pool" "$out/batched.log" | head -n 1

@@ -302,3 +302,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
         out[1] = 1;
     }
 }
+
+// The argmax of each of `rows` rows of n logits (the first on ties; all NaN: 0), one block
+// of 1024 threads per row: the greedy picks of a batched step in one launch.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int* __restrict__ out) {
+    PDL_WAIT();
+    const float* row = x + (size_t)blockIdx.x * n;
+    float best = -INFINITY;
+    int at = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) better(best, at, row[i], i);
+    block_argmax(best, at);
+    if (threadIdx.x == 0) out[blockIdx.x] = at == 0x7fffffff ? 0 : at;
+}

@@ -307,8 +307,9 @@ pub struct BatchBuffers {
     /// MoE layers: the FFN input quantized for the expert kernels, and routing.
     pub moe_acts: Option<DeviceActs>,
     pub moe: MoeBuffers,
-    /// Logits of the rows asked for (grown as needed).
+    /// Logits of the rows asked for (grown as needed), and their argmax.
     pub logits: Option<CudaSlice<f32>>,
+    pub best: CudaSlice<i32>,
 }
 
 impl BatchBuffers {
@@ -347,6 +348,7 @@ impl BatchBuffers {
             },
             moe: MoeBuffers::new(dev, layers, b, w.n_embd)?,
             logits: None,
+            best: s.alloc_zeros(b)?,
         })
     }
 
@@ -358,6 +360,7 @@ impl BatchBuffers {
             + bytes_of(&self.xh)
             + bytes_of(&self.xh_rows)
             + bytes_of(&self.w)
+            + bytes_of(&self.best)
             + self.meta.bytes()
             + self.moe.bytes()
             + self

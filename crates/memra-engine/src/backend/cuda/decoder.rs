@@ -40,6 +40,13 @@ use crate::sampler::Sampler;
 /// Positions per KV block on the GPU (a power of two: the kernels shift and mask).
 pub const BLOCK_SIZE: usize = crate::kv::DEFAULT_BLOCK_SIZE;
 
+/// Decodes in one step from which they go through the prompt path's GEMMs (f16 weights
+/// dequantized once for all rows) instead of the int8 mat-vec kernels in groups of
+/// MAX_DECODE_ROWS, one group after another. Measured on the H200 (synthetic llama3-8b
+/// Q4_K_M, docs/engine.md): a group of 8 costs about 7.4 ms a step, the GEMM path about
+/// 20 ms plus 0.19 ms a sequence, so the GEMM path wins from a fourth group on.
+pub const GEMM_DECODE_ROWS: usize = 3 * MAX_DECODE_ROWS + 1;
+
 /// How large the KV pool is.
 #[derive(Clone, Copy, Debug)]
 pub enum PoolSize {
@@ -67,6 +74,9 @@ pub struct GpuDecoder {
     graph: Option<DecodeGraph>,
     /// Replay a captured graph per token (off: launch every kernel; `MEMRA_CUDA_GRAPH=0`).
     use_graph: bool,
+    /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS;
+    /// `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure both sides).
+    gemm_decode_rows: usize,
     /// One-sequence decode steps run eagerly so far (the graph is captured after the first).
     eager_steps: usize,
     /// The one-context API's sequence: positions it holds (in blocks 0, 1, ...).
@@ -166,6 +176,10 @@ impl GpuDecoder {
             v_cache.push(dev.stream.alloc_zeros(slots * kv_row)?);
         }
         let use_graph = std::env::var("MEMRA_CUDA_GRAPH").map_or(true, |v| v != "0");
+        let gemm_decode_rows = std::env::var("MEMRA_GEMM_DECODE_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(GEMM_DECODE_ROWS);
         Ok(GpuDecoder {
             hp: hp.clone(),
             embd_scale: model.embd_scale.unwrap_or(1.0),
@@ -183,6 +197,7 @@ impl GpuDecoder {
             batch,
             graph: None,
             use_graph,
+            gemm_decode_rows,
             eager_steps: 0,
             own_len: 0,
             n_ctx,
@@ -325,9 +340,15 @@ impl GpuDecoder {
             row_of[t as usize] = r;
         }
         let mut out: Vec<Option<RowOut>> = vec![None; picks.len()];
-        let (decodes, prompts): (Vec<usize>, Vec<usize>) =
+        let (mut decodes, mut prompts): (Vec<usize>, Vec<usize>) =
             (0..batch.n_seqs()).partition(|&s| batch.seq_tokens(s).len() == 1);
-        // Decodes, up to MAX_DECODE_ROWS sequences a launch.
+        // Few decodes go through the mat-vec kernels, MAX_DECODE_ROWS a launch; from
+        // gemm_decode_rows on, with the prompt chunks through the GEMM path instead (one
+        // read of the weights for all of them; docs/engine.md has the measurements).
+        if decodes.len() >= self.gemm_decode_rows {
+            decodes.append(&mut prompts);
+            prompts = std::mem::take(&mut decodes);
+        }
         for group in decodes.chunks(MAX_DECODE_ROWS) {
             let mut sub = ForwardBatch::new(BLOCK_SIZE);
             let mut origin = Vec::new();
@@ -349,8 +370,8 @@ impl GpuDecoder {
                 out[r] = Some(self.pick(&Logits::Device { best }, row, &mut picks[r])?);
             }
         }
-        // Prompt chunks, in batches of up to MAX_BATCH tokens; a longer chunk goes in
-        // consecutive pieces, each after the one before it.
+        // Prompt chunks (and many decodes), in batches of up to MAX_BATCH tokens; a longer
+        // chunk goes in consecutive pieces, each after the one before it.
         let mut sub = ForwardBatch::new(BLOCK_SIZE);
         let mut origin: Vec<usize> = Vec::new();
         for &s in &prompts {
@@ -391,7 +412,8 @@ impl GpuDecoder {
         picks: &mut [RowPick],
         out: &mut [Option<RowOut>],
     ) -> Result<(), CudaError> {
-        let logits = self.prefill(sub)?;
+        let host = origin.iter().all(|&r| matches!(picks[r], RowPick::Logits));
+        let logits = self.prefill(sub, host)?;
         for (row, &r) in origin.iter().enumerate() {
             out[r] = Some(self.pick(&logits, row, &mut picks[r])?);
         }
@@ -406,13 +428,18 @@ impl GpuDecoder {
         pick: &mut RowPick,
     ) -> Result<RowOut, CudaError> {
         let nv = self.hp.n_vocab;
+        let span = row * nv..(row + 1) * nv;
         let host_row = |this: &mut Self| -> Result<Vec<f32>, CudaError> {
             let mut v = match logits {
-                Logits::Host(h) => return Ok(h[row * nv..(row + 1) * nv].to_vec()),
+                Logits::Host(h) => return Ok(h[span.clone()].to_vec()),
                 Logits::Device { .. } => this
                     .dev
                     .stream
-                    .clone_dtoh(&this.step.logits.slice(row * nv..(row + 1) * nv))?,
+                    .clone_dtoh(&this.step.logits.slice(span.clone()))?,
+                Logits::Rows { .. } => this
+                    .dev
+                    .stream
+                    .clone_dtoh(&this.batch_logits().slice(span.clone()))?,
             };
             this.softcap(&mut v);
             Ok(v)
@@ -423,25 +450,37 @@ impl GpuDecoder {
             RowPick::Sample(s) if s.is_plain_greedy() => None,
             RowPick::Sample(s) => Some(s),
         };
-        if let Logits::Host(h) = logits {
-            let r = &h[row * nv..(row + 1) * nv];
-            return Ok(RowOut::Token(match sampler {
-                None => crate::sampler::argmax(r),
-                Some(s) => s.sample(r),
-            }));
-        }
-        let Logits::Device { best } = *logits else {
-            unreachable!("host rows returned above")
+        let first_best = match logits {
+            Logits::Host(h) => {
+                let r = &h[span];
+                return Ok(RowOut::Token(match sampler {
+                    None => crate::sampler::argmax(r),
+                    Some(s) => s.sample(r),
+                }));
+            }
+            Logits::Rows { best } if sampler.is_none() => return Ok(RowOut::Token(best[row])),
+            Logits::Rows { .. } => false,
+            Logits::Device { best } => *best && row == 0,
         };
-        // A row other than the first is copied to a row of its own for the device picks.
-        if row > 0 {
-            let src = self.step.logits.slice(row * nv..(row + 1) * nv);
+        // A row other than the first of the step's logits is copied to a row of its own
+        // for the device picks.
+        let own_row = row > 0 || matches!(logits, Logits::Rows { .. });
+        if own_row {
+            let src = match logits {
+                Logits::Rows { .. } => self
+                    .batch
+                    .as_ref()
+                    .and_then(|b| b.logits.as_ref())
+                    .expect("rows on the device")
+                    .slice(span.clone()),
+                _ => self.step.logits.slice(span.clone()),
+            };
             self.dev.stream.memcpy_dtod(&src, &mut self.step.row)?;
         }
         let s = &mut self.step;
-        let buf = if row > 0 { &mut s.row } else { &mut s.logits };
+        let buf = if own_row { &mut s.row } else { &mut s.logits };
         let Some(sampler) = sampler else {
-            if !(best && row == 0) {
+            if !first_best {
                 argmax(&self.dev, buf, nv, &mut s.best_parts, &mut s.best)?;
             }
             let best = self.dev.stream.clone_dtoh(&s.best)?;
@@ -471,6 +510,14 @@ impl GpuDecoder {
                 Ok(RowOut::Token(crate::sampler::argmax(&v)))
             }
         }
+    }
+
+    /// The prompt path's logits on the device (a `Logits::Rows` result).
+    fn batch_logits(&self) -> &CudaSlice<f32> {
+        self.batch
+            .as_ref()
+            .and_then(|b| b.logits.as_ref())
+            .expect("rows on the device")
     }
 
     fn softcap(&self, logits: &mut [f32]) {
@@ -546,7 +593,8 @@ impl GpuDecoder {
 
     /// A batch of up to MAX_BATCH prompt tokens (chunks of any number of sequences); returns
     /// the logits of its `logit_rows`.
-    fn prefill(&mut self, b: &ForwardBatch) -> Result<Logits, CudaError> {
+    /// `host_logits`: every row's logits go to the host (all its picks ask for them).
+    fn prefill(&mut self, b: &ForwardBatch, host_logits: bool) -> Result<Logits, CudaError> {
         if self.batch.is_none() {
             let buffers = alloc_batch(&self.dev, &self.w, &self.widths, self.max_blocks)?;
             self.buffer_bytes += buffers.bytes();
@@ -575,6 +623,7 @@ impl GpuDecoder {
             embd_scale: self.embd_scale,
             gelu: self.gelu,
             softcap: self.softcap,
+            host_logits,
             pending: false,
             logits: None,
             grown: 0,

@@ -91,6 +91,52 @@ fn gpu_decoder_matches_cpu_logits() {
         for &t in &tokens {
             steps.extend(gpu.forward(&[t], LogitRows::Last).unwrap());
         }
+        // The same tokens as decode steps of MANY sequences at once (the GEMM path, device
+        // argmax of every row): each sequence's row is the same, and as close to the
+        // reference as the other paths.
+        const MANY: usize = GEMM_DECODE_ROWS;
+        let mut pool = GpuDecoder::with_pool(0, d, 256, PoolSize::Tokens(MANY * 256)).unwrap();
+        let per = 256 / BLOCK_SIZE;
+        let tables: Vec<Vec<u32>> = (0..MANY)
+            .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
+            .collect();
+        let step_of = |i: usize, t: u32| {
+            let mut b = ForwardBatch::new(BLOCK_SIZE);
+            for tab in &tables {
+                b.push(&[t], i, tab, [0]);
+            }
+            b
+        };
+        let mut many = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            let mut picks: Vec<RowPick> = (0..MANY).map(|_| RowPick::Logits).collect();
+            let rows = pool.forward_step(&step_of(i, t), &mut picks).unwrap();
+            let rows: Vec<Vec<f32>> = rows
+                .into_iter()
+                .map(|r| match r {
+                    RowOut::Logits(v) => v,
+                    RowOut::Token(_) => panic!("logits asked"),
+                })
+                .collect();
+            assert!(
+                rows.iter().all(|r| r == &rows[0]),
+                "{path}: step {i}: the sequences' rows differ"
+            );
+            many.extend_from_slice(&rows[0]);
+        }
+        let last = tokens.len() - 1;
+        let mut picks: Vec<RowPick> = (0..MANY).map(|_| RowPick::Greedy).collect();
+        let picked = pool
+            .forward_step(&step_of(last, tokens[last]), &mut picks)
+            .unwrap();
+        let want = crate::sampler::argmax(&many[last * nv..]);
+        for p in picked {
+            assert!(
+                matches!(p, RowOut::Token(id) if id == want),
+                "{path}: batched greedy picks"
+            );
+        }
+        drop(pool);
         let f = &mut failures;
         let cpu_q8 = check(
             &format!("{path} cpu q8"),
@@ -101,6 +147,7 @@ fn gpu_decoder_matches_cpu_logits() {
         );
         let worst_b = check(&format!("{path} batch"), &exact, &batch, nv, f);
         let worst_s = check(&format!("{path} steps"), &exact, &steps, nv, f);
+        let worst_m = check(&format!("{path} many decodes"), &exact, &many, nv, f);
         // The greedy pick on the device equals the host's argmax of the same logits.
         gpu.reset();
         gpu.forward(&tokens[..tokens.len() - 1], LogitRows::Last)
@@ -110,16 +157,22 @@ fn gpu_decoder_matches_cpu_logits() {
         assert_eq!(best, crate::sampler::argmax(last), "{path}: greedy pick");
         eprintln!(
             "{path}: {} tokens; RMS logit difference to exact arithmetic: GPU prompt batch \
-             {:.2}%, GPU decode steps {:.2}%, CPU with llama.cpp's Q8 rounding {:.2}%",
+             {:.2}%, GPU decode steps {:.2}%, {MANY} sequences' decode steps {:.2}%, CPU with \
+             llama.cpp's Q8 rounding {:.2}%",
             tokens.len(),
             100.0 * worst_b,
             100.0 * worst_s,
+            100.0 * worst_m,
             100.0 * cpu_q8
         );
         // 10% headroom: on models where rounding decorrelates the logits entirely
         // (synthetic q4_k_m: ~200% both ways) the two differences are equal but for noise.
         let bound = (1.1 * cpu_q8).max(0.05);
-        for (what, worst) in [("batch", worst_b), ("steps", worst_s)] {
+        for (what, worst) in [
+            ("batch", worst_b),
+            ("steps", worst_s),
+            ("many decodes", worst_m),
+        ] {
             if worst > bound {
                 failures.push(format!(
                     "{path} {what}: logits differ by {:.2}% RMS (bound {:.2}%)",

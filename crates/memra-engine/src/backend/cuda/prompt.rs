@@ -16,6 +16,7 @@ use super::buffers::{
 use super::decode::{moe_ffn, output_logits, qk_extras};
 use super::gemm::Gemm;
 use super::ops;
+use super::sampling::argmax_rows;
 use super::weights::{GpuFfn, GpuLinear, GpuWeights};
 use super::{CudaDevice, CudaError};
 use crate::models::forward::LayerOps;
@@ -28,6 +29,9 @@ pub(super) enum Logits {
     Device { best: bool },
     /// Rows on the host (soft-capped where the model caps them).
     Host(Vec<f32>),
+    /// Rows of the batch buffers' logits on the device (not soft-capped), with each row's
+    /// argmax.
+    Rows { best: Vec<u32> },
 }
 
 /// One prompt batch's launches over the batch buffers (and the step buffers, for the
@@ -51,6 +55,8 @@ pub(super) struct PromptPass<'a> {
     pub embd_scale: f32,
     pub gelu: bool,
     pub softcap: Option<f32>,
+    /// Every row's logits go to the host (all that the picks ask for), in one copy.
+    pub host_logits: bool,
     /// `bb.o` holds a block's output not yet added to the residual stream.
     pub pending: bool,
     /// The head's result, and device bytes it allocated (a larger logits buffer).
@@ -275,11 +281,20 @@ impl LayerOps for PromptPass<'_> {
         let logits = bb.logits.as_mut().expect("allocated above");
         let xh = bb.xh_rows.slice(..r * e);
         linear(dev, &bb.gemm, &mut bb.w, out, &xh, logits, r)?;
-        let mut host = dev.stream.clone_dtoh(&logits.slice(..r * nv))?;
-        if let Some(cap) = self.softcap {
-            host.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        if self.host_logits {
+            let mut host = dev.stream.clone_dtoh(&logits.slice(..r * nv))?;
+            if let Some(cap) = self.softcap {
+                host.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+            }
+            self.logits = Some(Logits::Host(host));
+            return Ok(());
         }
-        self.logits = Some(Logits::Host(host));
+        // The rows stay on the device; their greedy picks in one launch, only ids back.
+        argmax_rows(dev, logits, r, nv, &mut bb.best)?;
+        let best = dev.stream.clone_dtoh(&bb.best.slice(..r))?;
+        self.logits = Some(Logits::Rows {
+            best: best.into_iter().map(|b| b as u32).collect(),
+        });
         Ok(())
     }
 }

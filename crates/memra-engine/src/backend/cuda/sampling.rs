@@ -30,6 +30,32 @@ impl ArgmaxParts {
     }
 }
 
+/// The argmax of each of `rows` rows of `n` values of `x` into `out[..rows]`, in one launch.
+pub fn argmax_rows(
+    dev: &CudaDevice,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    n: usize,
+    out: &mut CudaSlice<i32>,
+) -> Result<(), CudaError> {
+    check(
+        x.len() >= rows * n && n > 0 && rows > 0 && out.len() >= rows,
+        "argmax_rows: shapes",
+    )?;
+    let f = dev.function("sampling", "argmax_rows")?;
+    let n_i = n as i32;
+    // SAFETY: rows x n values in, rows ids out (checked above).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(x)
+            .arg(&n_i)
+            .arg(out)
+            .launch(blocks(rows, 1024))?;
+    }
+    Ok(())
+}
+
 /// The index of the largest of the first `n` values of `x` (the first on ties), into
 /// `out` (one i32), in two launches.
 pub fn argmax(
