@@ -35,11 +35,7 @@ impl ApiError {
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
         ApiError {
             param: Some(param.into()),
-            ..ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                message,
-            )
+            ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
         }
     }
 

@@ -131,7 +131,11 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
                 })?;
             // A template that writes the BOS text itself must not get a second one.
             let add_bos = r.bos.is_empty() || !text.starts_with(&r.bos);
-            (vec![encode(&text, add_bos, "messages")?], Vec::new(), "messages")
+            (
+                vec![encode(&text, add_bos, "messages")?],
+                Vec::new(),
+                "messages",
+            )
         }
         Endpoint::Completions => {
             let echo = f.bool("echo")?.unwrap_or(false);
@@ -384,7 +388,11 @@ fn chat_logprobs(model: &Model, tokens: &[TokenEvent]) -> Value {
         .iter()
         .map(|t| {
             let mut e = entry(t.id, t.logprob.unwrap_or(0.0));
-            e["top_logprobs"] = t.top_logprobs.iter().map(|&(id, lp)| entry(id, lp)).collect();
+            e["top_logprobs"] = t
+                .top_logprobs
+                .iter()
+                .map(|&(id, lp)| entry(id, lp))
+                .collect();
             e
         })
         .collect();
@@ -475,7 +483,10 @@ async fn collect(
                 "finish_reason": finish(o),
             }),
             Endpoint::Completions => {
-                let echo = job.echo.get(job.prompt_of[i]).map_or(0, |e| e.chars().count());
+                let echo = job
+                    .echo
+                    .get(job.prompt_of[i])
+                    .map_or(0, |e| e.chars().count());
                 json!({
                     "index": i,
                     "text": o.text,
@@ -568,10 +579,12 @@ impl Streamer {
                     "logprobs": null,
                     "finish_reason": null,
                 })),
-                Endpoint::Completions => self.job.echo.get(self.job.prompt_of[i]).cloned().map(|e| {
-                    self.offsets[i] = e.chars().count();
-                    json!({"index": i, "text": e, "logprobs": null, "finish_reason": null})
-                }),
+                Endpoint::Completions => {
+                    self.job.echo.get(self.job.prompt_of[i]).cloned().map(|e| {
+                        self.offsets[i] = e.chars().count();
+                        json!({"index": i, "text": e, "logprobs": null, "finish_reason": null})
+                    })
+                }
             };
             if let Some(c) = first {
                 let ev = self.chunk(vec![c]);
@@ -650,7 +663,8 @@ impl Streamer {
                 "choices": [],
                 "usage": usage,
             });
-            self.queue.push_back(SseEvent::default().data(c.to_string()));
+            self.queue
+                .push_back(SseEvent::default().data(c.to_string()));
         }
         self.queue.push_back(SseEvent::default().data("[DONE]"));
         self.done = true;

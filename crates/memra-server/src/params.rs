@@ -35,7 +35,9 @@ impl<'a> Fields<'a> {
     pub fn of(body: &'a Value) -> Result<Fields<'a>, ApiError> {
         match body {
             Value::Object(map) => Ok(Fields { map }),
-            _ => Err(ApiError::bad_request("the request body must be a JSON object")),
+            _ => Err(ApiError::bad_request(
+                "the request body must be a JSON object",
+            )),
         }
     }
 
@@ -225,7 +227,9 @@ fn logit_bias(map: &Map<String, Value>, n_vocab: usize) -> Result<HashMap<u32, f
                 .ok_or_else(|| {
                     ApiError::invalid(
                         "logit_bias",
-                        format!("'logit_bias' values must be numbers within [-100, 100] (token {k})"),
+                        format!(
+                            "'logit_bias' values must be numbers within [-100, 100] (token {k})"
+                        ),
                     )
                 })?;
             Ok((id, b as f32))
@@ -258,7 +262,10 @@ pub fn messages(f: &Fields) -> Result<Value, ApiError> {
         return Err(type_error("messages", "an array of messages"));
     };
     if list.is_empty() {
-        return Err(ApiError::invalid("messages", "'messages' must not be empty"));
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must not be empty",
+        ));
     }
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
@@ -292,7 +299,9 @@ pub fn messages(f: &Fields) -> Result<Value, ApiError> {
                         (Some(other), _) => {
                             return Err(ApiError::invalid(
                                 format!("{part}.type"),
-                                format!("content parts of type {other:?} are not supported (text only)"),
+                                format!(
+                                    "content parts of type {other:?} are not supported (text only)"
+                                ),
                             ))
                         }
                         (None, _) => return Err(type_error(&format!("{part}.type"), "a string")),
@@ -355,7 +364,9 @@ pub fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
             return Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
         }
         Some(Value::Array(a)) if a[0].is_number() => {
-            vec![Prompt::Tokens(ids(a).ok_or_else(|| type_error("prompt", want))?)]
+            vec![Prompt::Tokens(
+                ids(a).ok_or_else(|| type_error("prompt", want))?,
+            )]
         }
         Some(Value::Array(a)) => a
             .iter()
@@ -456,7 +467,11 @@ mod tests {
             ),
         ];
         for (body, field) in cases {
-            assert_eq!(param_of(parse(body.clone(), Endpoint::Chat)), field, "{body}");
+            assert_eq!(
+                param_of(parse(body.clone(), Endpoint::Chat)),
+                field,
+                "{body}"
+            );
         }
         assert_eq!(
             param_of(parse(json!({"logprobs": true}), Endpoint::Completions)),
@@ -486,9 +501,15 @@ mod tests {
             (json!({}), "messages"),
             (json!({"messages": "hi"}), "messages"),
             (json!({"messages": []}), "messages"),
-            (json!({"messages": [{"role": "king", "content": "x"}]}), "messages[0].role"),
+            (
+                json!({"messages": [{"role": "king", "content": "x"}]}),
+                "messages[0].role",
+            ),
             (json!({"messages": [{"content": "x"}]}), "messages[0].role"),
-            (json!({"messages": [{"role": "user"}]}), "messages[0].content"),
+            (
+                json!({"messages": [{"role": "user"}]}),
+                "messages[0].content",
+            ),
             (
                 json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
                 "messages[0].content[0].type",
@@ -510,7 +531,13 @@ mod tests {
             p(json!([[1], [2, 3]])).unwrap(),
             vec![Prompt::Tokens(vec![1]), Prompt::Tokens(vec![2, 3])]
         );
-        for bad in [json!(5), json!([]), json!([1, "a"]), json!([-1]), json!([{"a": 1}])] {
+        for bad in [
+            json!(5),
+            json!([]),
+            json!([1, "a"]),
+            json!([-1]),
+            json!([{"a": 1}]),
+        ] {
             assert_eq!(p(bad).unwrap_err().param.as_deref(), Some("prompt"));
         }
         assert!(prompts(&Fields::of(&json!({})).unwrap()).is_err());
