@@ -301,6 +301,7 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
 async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     ApiError {
         status: StatusCode::METHOD_NOT_ALLOWED,
+        code: Some("method_not_allowed"),
         ..ApiError::not_found(format!("Method {method} not allowed on {uri}"))
     }
 }

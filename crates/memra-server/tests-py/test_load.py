@@ -120,3 +120,23 @@ def test_sigterm_finishes_running_requests_then_exits_0(spawn):
     assert result == {"status": 200, "tokens": 300}
     assert s.proc.wait(30) == 0, s.log
     assert "shutting down" in s.log
+
+
+def test_bench_serve_reports_vllm_s_numbers(tiny):
+    """scripts/bench-serve.py, briefly: every request succeeds, the report has its rows."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench-serve.py"), "--url", tiny.url, "-n", "40",
+         "-c", "8", "--input-len", "32", "--output-len", "8"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = dict(line.rsplit(None, 1) for line in out.stdout.splitlines()
+                if ":" in line and not line.startswith("="))
+    assert rows["Successful requests:"] == "40" and rows["Failed requests:"] == "0"
+    assert rows["Total generated tokens:"] == str(40 * 8)
+    for name in ["Median TTFT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):"]:
+        assert float(rows[name]) > 0

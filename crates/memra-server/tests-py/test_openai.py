@@ -300,6 +300,8 @@ def test_api_key_and_routes(qwen):
     assert httpx.get(qwen.url + "/metrics").status_code == 200
     error_of(httpx.get(qwen.url + "/v1/nothing", headers=qwen.headers()), 404)
     error_of(httpx.get(qwen.url + "/nothing"), 404)
+    assert error_of(httpx.delete(qwen.url + "/v1/completions", headers=qwen.headers()),
+                    405)["code"] == "method_not_allowed"
     # A body over the limit (8 MiB by default).
     big = b'{"messages": "' + b"x" * (9 << 20) + b'"}'
     r = httpx.post(qwen.url + "/v1/chat/completions", content=big,
