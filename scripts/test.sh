@@ -10,5 +10,5 @@ scripts/fetch-models.sh --all
 cargo test --workspace --release "$@"
 cargo build --release -p memra
 venv=$(scripts/setup-test-venv.sh)
-MEMRA_BIN="${CARGO_TARGET_DIR:-$root/target}/release/memra" \
+PYTHONDONTWRITEBYTECODE=1 MEMRA_BIN="${CARGO_TARGET_DIR:-$root/target}/release/memra" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider crates/memra-server/tests-py

@@ -116,6 +116,15 @@ def test_sigterm_finishes_running_requests_then_exits_0(spawn):
         assert time.time() < deadline
         time.sleep(0.01)
     s.proc.send_signal(signal.SIGTERM)
+    # No new connections from now on, while the running request goes on.
+    deadline = time.time() + 5
+    while True:
+        try:
+            httpx.get(s.url + "/health", timeout=1)
+        except httpx.TransportError:
+            break
+        assert time.time() < deadline, "still accepting after SIGTERM"
+        time.sleep(0.02)
     t.join(30)
     assert result == {"status": 200, "tokens": 300}
     assert s.proc.wait(30) == 0, s.log

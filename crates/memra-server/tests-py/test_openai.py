@@ -406,3 +406,14 @@ def test_metrics_move_as_requests_run(qwen):
     greedy_chat(qwen.client(), max_tokens=1)
     greedy_chat(qwen.client(), max_tokens=1)
     assert qwen.metrics()["memra:prefix_cache_hits_total"] > before["memra:prefix_cache_hits_total"]
+
+
+def test_tools_reach_the_chat_template(qwen):
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    plain = greedy_chat(qwen.client(), max_tokens=1)
+    with_tools = greedy_chat(qwen.client(), max_tokens=1, tools=tools)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    r = qwen.post("/v1/chat/completions", {"messages": CHAT, "tools": "nope"})
+    error_of(r, 400, "tools")
