@@ -480,6 +480,78 @@ mod tests {
     }
 
     #[test]
+    fn no_value_of_any_field_panics() {
+        let weird = [
+            json!(null),
+            json!(true),
+            json!(-1),
+            json!(0),
+            json!(1.5),
+            json!(1e308),
+            json!(-1e308),
+            json!(u64::MAX),
+            json!(i64::MIN),
+            json!(""),
+            json!("x"),
+            json!([]),
+            json!([1]),
+            json!([[]]),
+            json!([null]),
+            json!({}),
+            json!({"a": 1}),
+            json!({"include_usage": "x", "1": [2]}),
+            json!([{"role": "user"}]),
+            json!([{"role": "user", "content": [{"type": "text"}]}]),
+        ];
+        let fields = [
+            "model",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repeat_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "seed",
+            "stop",
+            "n",
+            "stream",
+            "stream_options",
+            "logprobs",
+            "top_logprobs",
+            "ignore_eos",
+            "user",
+            "messages",
+            "prompt",
+            "tools",
+            "echo",
+        ];
+        for field in fields {
+            for v in &weird {
+                let mut body = json!({"messages": [{"role": "user", "content": "hi"}],
+                    "prompt": "hi"});
+                body[field] = v.clone();
+                let f = Fields::of(&body).unwrap();
+                for ep in [Endpoint::Chat, Endpoint::Completions] {
+                    if let Err(e) = common(&f, ep, 1000) {
+                        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+                        assert!(e.param.is_some(), "{field} = {v}: {e:?}");
+                    }
+                }
+                let _ = messages(&f);
+                let _ = prompts(&f);
+                let _ = tools(&f);
+            }
+        }
+        for body in [json!(null), json!([]), json!("x"), json!(1)] {
+            assert!(Fields::of(&body).is_err());
+        }
+    }
+
+    #[test]
     fn messages_take_strings_and_text_parts() {
         let body = json!({"messages": [
             {"role": "developer", "content": "be brief"},

@@ -417,3 +417,21 @@ def test_tools_reach_the_chat_template(qwen):
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
     r = qwen.post("/v1/chat/completions", {"messages": CHAT, "tools": "nope"})
     error_of(r, 400, "tools")
+
+
+def test_garbage_bodies_get_4xx_and_the_server_goes_on(qwen):
+    bodies = [b"", b"null", b"[]", b'"x"', b"1e999", b"{", b"[" * 5000 + b"]" * 5000,
+              b'{"messages": ' + b"[" * 300 + b"]" * 300 + b"}", "\u00ff".encode("latin-1"),
+              b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}',
+              b'{"prompt": [99999999999]}', b'{"prompt": [151936000]}',
+              b'{"prompt": "", "max_tokens": 1}',
+              b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["' + b"s" * 5000
+              + b'"], "max_tokens": 1}']
+    for path in ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]:
+        for body in bodies:
+            r = httpx.post(qwen.url + path, content=body,
+                           headers={**qwen.headers(), "content-type": "application/json"})
+            if r.status_code == 200:  # a body another endpoint would refuse
+                continue
+            error_of(r, 400)
+    assert greedy_chat(qwen.client(), max_tokens=1).usage.completion_tokens == 1
