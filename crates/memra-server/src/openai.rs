@@ -698,6 +698,7 @@ fn stream(job: Job, rx: Events, guard: Inflight, model: Arc<Model>) -> Response 
             match s.rx.recv().await {
                 Some((i, e)) => s.on_event(i, e),
                 None => {
+                    tracing::warn!("request {}: the engine dropped its sequences", s.job.id);
                     s.on_event(0, Event::Error("the engine stopped".into()));
                 }
             }

@@ -332,19 +332,36 @@ def wait_idle(server, timeout=10.0):
         time.sleep(0.05)
 
 
+def wait_running(server, timeout=5.0):
+    """Waits until the engine's last published stats show one running sequence (they are
+    published once per engine step); returns the metrics."""
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        if m["memra:num_requests_running"] == 1:
+            return m
+        assert time.time() < deadline, m
+        time.sleep(0.01)
+
+
 def test_disconnect_mid_stream_cancels_the_request(qwen):
     aborted = 'memra:request_success_total{finished_reason="abort"}'
     before = wait_idle(qwen).get(aborted, 0)
     body = {"messages": CHAT, "max_tokens": 500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", qwen.url + "/v1/chat/completions", json=body,
                       headers=qwen.headers(), timeout=60) as r:
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events == 4:
-                break
-        m = qwen.metrics()
-        assert m["memra:num_requests_running"] == 1 and m["memra:kv_cache_usage_perc"] > 0
+        # Kept referenced: httpx closes the connection when a line iterator is dropped
+        # (a `for` loop's `break` does that), which would cancel the request too early.
+        lines = r.iter_lines()
+        seen = []
+        while len(seen) < 4:
+            line = next(lines)
+            if line.startswith("data: "):
+                seen.append(line)
+        assert all('"content"' in e for e in seen), seen
+        m = wait_running(qwen)
+        assert m["memra:kv_cache_usage_perc"] > 0, m
+        del lines
     # The client is gone: the sequence ends, its blocks come back.
     m = wait_idle(qwen)
     assert m[aborted] == before + 1
@@ -387,7 +404,7 @@ def test_metrics_move_as_requests_run(qwen):
         seen = 0
         while seen < 3:
             seen += next(lines).startswith("data: ")
-        during = qwen.metrics()
+        during = wait_running(qwen)
         for _ in lines:
             pass
     after = wait_idle(qwen)
