@@ -342,6 +342,15 @@ fn bad_requests_are_refused_before_they_start() {
                 n_ctx: N_CTX,
             },
         ),
+        // A count that would overflow the sum is still too long.
+        (
+            request(&ok, usize::MAX, greedy_config()),
+            EngineError::TooLong {
+                prompt: 3,
+                max_tokens: usize::MAX,
+                n_ctx: N_CTX,
+            },
+        ),
         (
             request(&ok, 100, greedy_config()),
             EngineError::PoolTooSmall {
@@ -382,4 +391,30 @@ fn a_client_that_goes_away_gives_its_blocks_back() {
     let got = run_all(&e, &[long]);
     assert_eq!(got[0].0.len(), 120);
     assert_eq!(got[0].1.preemptions, 0);
+}
+
+#[test]
+fn stats_show_running_sequences_and_their_blocks_then_free_ones() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let e = engine(&model, 256, 4, 2048);
+    assert_eq!(e.stats().num_blocks, 16);
+    assert_eq!(e.stats().blocks_used, 0);
+    let p = prompts(&model)[0].clone();
+    let mut long = request(&p, 100, greedy_config());
+    long.params.ignore_eos = true;
+    let mut h = e.submit(long).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(h.next(), Some(Event::Token(_))));
+    }
+    let s = e.stats();
+    assert_eq!((s.running, s.waiting), (1, 0));
+    assert!(s.blocks_used >= p.len().div_ceil(16), "{s:?}");
+    drop(h);
+    // The cancel reaches the engine thread, which publishes before it sleeps.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while e.stats().blocks_used > 0 || e.stats().running > 0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", e.stats());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(e.stats().waiting, 0);
 }

@@ -5,6 +5,7 @@ mod bench_batched;
 mod generate;
 mod inspect;
 mod probe;
+mod serve;
 mod synth;
 mod tokenize;
 
@@ -122,6 +123,14 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         shared_prefix: usize,
     },
+    /// Serve the model over HTTP with OpenAI's API (chat and text completions, streaming),
+    /// batching requests on the engine.
+    Serve {
+        #[command(flatten)]
+        model: generate::ModelArgs,
+        #[command(flatten)]
+        serve: serve::ServeArgs,
+    },
     /// Show the GPU, the architecture the kernels were built for, and measured bandwidth.
     Probe {
         /// GPU ordinal.
@@ -198,12 +207,13 @@ enum Command {
     },
 }
 
-/// llama-batched-bench spells its options with one dash (`-npp 128`); clap would read
-/// that as `-n -p -p`, so they become `--npp` first.
+/// llama-batched-bench spells its options with one dash (`-npp 128`), llama-server
+/// `-np 4`; clap would read that as `-n -p -p`, so they become `--npp`, `--parallel` first.
 fn args() -> Vec<std::ffi::OsString> {
     std::env::args_os()
         .map(|a| match a.to_str() {
             Some("-npp" | "-ntg" | "-npl") => format!("-{}", a.to_str().unwrap_or("")).into(),
+            Some("-np") => "--parallel".into(),
             _ => a,
         })
         .collect()
@@ -213,6 +223,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse_from(args());
     let result = match cli.command {
         Command::Probe { gpu } => probe::run(gpu),
+        Command::Serve { model, serve } => serve::run(model, serve),
         Command::Run {
             model,
             sampling,

@@ -13,7 +13,7 @@ mod cpu;
 mod gpu;
 mod worker;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -169,6 +169,35 @@ enum Command {
     Shutdown,
 }
 
+/// What the engine holds right now (metrics): sequences and KV blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Sequences the scheduler runs (holding blocks).
+    pub running: usize,
+    /// Sequences waiting to be admitted (or re-admitted after a preemption).
+    pub waiting: usize,
+    /// Blocks held by sequences (not free, not merely cached).
+    pub blocks_used: usize,
+    pub num_blocks: usize,
+}
+
+/// Where the engine thread publishes its [`EngineStats`], once per loop (before it
+/// sleeps on the channel, so a finished or cancelled request's blocks show as free).
+#[derive(Debug, Default)]
+struct StatsCell {
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+    blocks_used: AtomicUsize,
+}
+
+impl StatsCell {
+    fn publish(&self, running: usize, waiting: usize, blocks_used: usize) {
+        self.running.store(running, Ordering::Relaxed);
+        self.waiting.store(waiting, Ordering::Relaxed);
+        self.blocks_used.store(blocks_used, Ordering::Relaxed);
+    }
+}
+
 /// What the engine was started with.
 #[derive(Clone, Debug)]
 pub struct EngineInfo {
@@ -193,6 +222,7 @@ pub struct Engine {
     worker: Option<JoinHandle<()>>,
     next_id: AtomicU64,
     info: EngineInfo,
+    stats: Arc<StatsCell>,
 }
 
 impl Engine {
@@ -208,9 +238,11 @@ impl Engine {
         };
         let (tx, rx) = mpsc::channel();
         let m = model.clone();
+        let stats = Arc::new(StatsCell::default());
+        let s = stats.clone();
         let worker = std::thread::Builder::new()
             .name("memra-engine".into())
-            .spawn(move || worker::run(m, runner, config.scheduler, rx))
+            .spawn(move || worker::run(m, runner, config.scheduler, rx, &s))
             .expect("spawn the engine thread");
         Engine {
             model,
@@ -218,6 +250,17 @@ impl Engine {
             worker: Some(worker),
             next_id: AtomicU64::new(1),
             info,
+            stats,
+        }
+    }
+
+    /// Sequences and blocks as of the engine thread's last loop (at most one step old).
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.stats.running.load(Ordering::Relaxed),
+            waiting: self.stats.waiting.load(Ordering::Relaxed),
+            blocks_used: self.stats.blocks_used.load(Ordering::Relaxed),
+            num_blocks: self.info.num_blocks,
         }
     }
 
@@ -250,7 +293,7 @@ impl Engine {
             _ => {}
         }
         p.sampler.validate()?;
-        let total = r.prompt.len() + p.max_tokens;
+        let total = r.prompt.len().saturating_add(p.max_tokens);
         if total > self.info.n_ctx {
             return Err(EngineError::TooLong {
                 prompt: r.prompt.len(),

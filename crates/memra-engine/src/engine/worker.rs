@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
-use super::{BatchRunner, Command, Event, EventSink, FinishReason, Request, TokenEvent, Usage};
+use super::{
+    BatchRunner, Command, Event, EventSink, FinishReason, Request, StatsCell, TokenEvent, Usage,
+};
 use crate::batch::{ForwardBatch, RowOut, RowPick};
 use crate::kv::BlockManager;
 use crate::models::Model;
@@ -32,12 +34,18 @@ pub(super) fn run(
     mut runner: Box<dyn BatchRunner>,
     config: SchedulerConfig,
     rx: Receiver<Command>,
+    stats: &StatsCell,
 ) {
     let tok = &model.tokenizer;
     let blocks = BlockManager::new(runner.num_blocks(), runner.block_size());
     let mut sched = Scheduler::new(config, blocks);
     let mut live: HashMap<SeqId, Live> = HashMap::new();
     loop {
+        stats.publish(
+            sched.num_running(),
+            sched.num_waiting(),
+            sched.blocks.num_blocks() - sched.blocks.num_free(),
+        );
         let first = if sched.is_idle() {
             match rx.recv() {
                 Ok(c) => Some(c),

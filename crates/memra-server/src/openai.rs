@@ -1,0 +1,710 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions`: a request becomes one engine
+//! sequence per choice (`n` per prompt; sequences with the same prompt share its full KV
+//! blocks through the prefix cache), whose events come back through a tokio channel and
+//! leave as one JSON response or as server-sent events in OpenAI's chunk shapes.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use memra_engine::engine::{
+    Engine, Event, FinishReason, GenerationParams, Request, TokenEvent, Usage,
+};
+use memra_engine::models::Model;
+use memra_engine::scheduler::SeqId;
+use memra_engine::tokenizer::template::ChatInput;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tracing::Instrument;
+
+use crate::error::ApiError;
+use crate::params::{self, Endpoint, Fields, Prompt};
+use crate::{json_body, request_id_header, unix_time, unix_time_micros, AppState, Ready};
+
+pub(crate) async fn chat(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(st, body, Endpoint::Chat).await
+}
+
+pub(crate) async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(st, body, Endpoint::Completions).await
+}
+
+/// What a request asks, checked and tokenized.
+struct Job {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    /// One sequence per choice, in choice order (prompt by prompt, `n` each).
+    choices: Vec<Request>,
+    /// The prompt of each choice.
+    prompt_of: Vec<usize>,
+    prompt_lens: Vec<usize>,
+    /// Completions with `echo`: each prompt's text, which starts its choices' text.
+    echo: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+    logprobs: Option<usize>,
+}
+
+async fn handle(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, ep: Endpoint) -> Response {
+    let rid = st.request_id();
+    let span = tracing::info_span!("request", id = %rid);
+    let headers = request_id_header(&rid);
+    let r = async move {
+        let start = Instant::now();
+        let ready = st.ready()?;
+        let v = json_body(body)?;
+        // The chat template and the tokenizer may take a while on a large body: off the
+        // async threads.
+        let s = st.clone();
+        let job = tokio::task::spawn_blocking(move || {
+            let ready = s.ready()?;
+            prepare(&s, ready, &v, ep, rid)
+        })
+        .await
+        .map_err(|_| ApiError::internal("internal error (a bug) preparing the request"))??;
+        tracing::info!(
+            "{} prompt(s) of {:?} tokens, {} choice(s), max_tokens {}, stream {}",
+            job.prompt_lens.len(),
+            job.prompt_lens,
+            job.choices.len() / job.prompt_lens.len().max(1),
+            job.choices.first().map_or(0, |c| c.params.max_tokens),
+            job.stream
+        );
+        let (rx, guard) = submit(&st, ready, &job, start)?;
+        let model = ready.engine.model().clone();
+        if job.stream {
+            Ok(stream(job, rx, guard, model))
+        } else {
+            collect(job, rx, guard, &model).await
+        }
+    }
+    .instrument(span)
+    .await;
+    match r {
+        Ok(resp) => (headers, resp).into_response(),
+        Err(e) => {
+            tracing::info!("refused: {} {}", e.status.as_u16(), e.message);
+            (headers, e).into_response()
+        }
+    }
+}
+
+fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Result<Job, ApiError> {
+    let f = Fields::of(v)?;
+    let tok = &r.engine.model().tokenizer;
+    let c = params::common(&f, ep, tok.n_vocab())?;
+    let encode = |text: &str, add_bos: bool, field: &str| {
+        tok.encode(text, add_bos, true)
+            .map_err(|e| ApiError::invalid(field, e.to_string()))
+    };
+    let (prompts, echo, field) = match ep {
+        Endpoint::Chat => {
+            let messages = params::messages(&f)?;
+            let tools = params::tools(&f)?;
+            let text = r
+                .template
+                .render(&ChatInput {
+                    messages: &messages,
+                    tools: tools.as_ref(),
+                    add_generation_prompt: true,
+                    bos_token: &r.bos,
+                    eos_token: &r.eos,
+                })
+                .map_err(|e| {
+                    ApiError::invalid("messages", format!("the chat template refused it: {e}"))
+                })?;
+            // A template that writes the BOS text itself must not get a second one.
+            let add_bos = r.bos.is_empty() || !text.starts_with(&r.bos);
+            (
+                vec![encode(&text, add_bos, "messages")?],
+                Vec::new(),
+                "messages",
+            )
+        }
+        Endpoint::Completions => {
+            let echo = f.bool("echo")?.unwrap_or(false);
+            let mut ids = Vec::new();
+            let mut texts = Vec::new();
+            for p in params::prompts(&f)? {
+                match p {
+                    // As `memra run`: BOS when the model asks for it, special tokens parsed.
+                    Prompt::Text(s) => {
+                        ids.push(encode(&s, true, "prompt")?);
+                        texts.push(s);
+                    }
+                    Prompt::Tokens(t) => {
+                        if echo {
+                            texts.push(tok.decode_lossy(&t, false).unwrap_or_default());
+                        }
+                        ids.push(t);
+                    }
+                }
+            }
+            (ids, if echo { texts } else { Vec::new() }, "prompt")
+        }
+    };
+    let info = r.engine.info();
+    let mut choices = Vec::with_capacity(prompts.len() * c.n);
+    let mut prompt_of = Vec::with_capacity(choices.capacity());
+    for (pi, prompt) in prompts.iter().enumerate() {
+        if prompt.len() >= info.n_ctx {
+            return Err(ApiError {
+                code: Some("context_length_exceeded"),
+                ..ApiError::invalid(
+                    field,
+                    format!(
+                        "the prompt has {} tokens; the context holds {} (no room to generate)",
+                        prompt.len(),
+                        info.n_ctx
+                    ),
+                )
+            });
+        }
+        let rest = info.n_ctx - prompt.len();
+        let max_tokens = match (c.max_tokens, ep) {
+            (Some(m), _) => m,
+            (None, Endpoint::Chat) => rest,
+            (None, Endpoint::Completions) => params::COMPLETIONS_DEFAULT_MAX_TOKENS.min(rest),
+        };
+        for i in 0..c.n {
+            let request = Request {
+                prompt: prompt.clone(),
+                params: GenerationParams {
+                    max_tokens,
+                    sampler: c.sampler_for(i, fresh_seed()),
+                    stop: c.stop.clone(),
+                    ignore_eos: c.ignore_eos,
+                    logprobs: c.logprobs,
+                    score_from: None,
+                },
+            };
+            r.engine
+                .validate(&request)
+                .map_err(|e| ApiError::from_engine(&e, field))?;
+            choices.push(request);
+            prompt_of.push(pi);
+        }
+    }
+    Ok(Job {
+        endpoint: ep,
+        id: match ep {
+            Endpoint::Chat => format!("chatcmpl-{id}"),
+            Endpoint::Completions => format!("cmpl-{id}"),
+        },
+        created: unix_time(),
+        model: c.model.unwrap_or_else(|| st.config.model_id.clone()),
+        prompt_lens: prompts.iter().map(Vec::len).collect(),
+        choices,
+        prompt_of,
+        echo,
+        stream: c.stream,
+        include_usage: c.include_usage,
+        logprobs: c.logprobs,
+    })
+}
+
+/// A seed for a request that gives none (splitmix64 over the clock and a counter).
+fn fresh_seed() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut z = unix_time_micros()
+        ^ COUNTER
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The sequences of a request while they run: dropping it (the client went away, the
+/// stream was dropped) cancels those not finished, whose blocks go back at the engine's
+/// next step.
+struct Inflight {
+    st: Arc<AppState>,
+    engine: Arc<Engine>,
+    ids: Vec<SeqId>,
+    /// Whether a choice's end was counted (by its sink at the finish, or here as an abort).
+    claimed: Arc<Vec<AtomicBool>>,
+    n: usize,
+    request: String,
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        let mut aborted = 0;
+        for (i, &id) in self.ids.iter().enumerate() {
+            if !self.claimed[i].swap(true, Ordering::AcqRel) {
+                self.engine.cancel(id);
+                self.st.metrics.finished("abort");
+                aborted += 1;
+            }
+        }
+        self.st.pending.fetch_sub(self.n, Ordering::AcqRel);
+        if aborted > 0 {
+            tracing::info!(
+                "request {}: the client went away, {aborted} sequence(s) cancelled",
+                self.request
+            );
+        }
+    }
+}
+
+fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length => "length",
+        FinishReason::EndOfGeneration | FinishReason::StopString => "stop",
+    }
+}
+
+type Events = UnboundedReceiver<(usize, Event)>;
+
+/// Queues the job's sequences; refuses it (503) when the queue is full.
+fn submit(
+    st: &Arc<AppState>,
+    r: &Ready,
+    job: &Job,
+    start: Instant,
+) -> Result<(Events, Inflight), ApiError> {
+    let n = job.choices.len();
+    let cap = st.capacity();
+    let before = st.pending.fetch_add(n, Ordering::AcqRel);
+    // One request larger than the whole queue still runs when nothing else waits.
+    if before > 0 && before + n > cap {
+        st.pending.fetch_sub(n, Ordering::AcqRel);
+        return Err(ApiError::busy(cap));
+    }
+    let claimed: Arc<Vec<AtomicBool>> = Arc::new((0..n).map(|_| AtomicBool::new(false)).collect());
+    let mut guard = Inflight {
+        st: st.clone(),
+        engine: r.engine.clone(),
+        ids: Vec::with_capacity(n),
+        claimed: claimed.clone(),
+        n,
+        request: job.id.clone(),
+    };
+    let (tx, rx) = unbounded_channel();
+    for (i, request) in job.choices.iter().enumerate() {
+        let tx = tx.clone();
+        let st = st.clone();
+        let claimed = claimed.clone();
+        let mut last: Option<Instant> = None;
+        // Runs on the engine thread: counts, then forwards; a closed channel cancels.
+        let sink = Box::new(move |e: Event| {
+            let m = &st.metrics;
+            match &e {
+                Event::Token(_) => {
+                    let now = Instant::now();
+                    match last {
+                        None => m.ttft.observe((now - start).as_secs_f64()),
+                        Some(l) => m.itl.observe((now - l).as_secs_f64()),
+                    }
+                    last = Some(now);
+                    m.generation_tokens.inc();
+                }
+                Event::Finished { reason, usage, .. } => {
+                    m.e2e.observe(start.elapsed().as_secs_f64());
+                    m.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+                    m.prefix_queries.inc_by(usage.prompt_tokens as u64);
+                    m.prefix_hits.inc_by(usage.cached_tokens as u64);
+                    if !claimed[i].swap(true, Ordering::AcqRel) {
+                        m.finished(if tx.is_closed() {
+                            "abort"
+                        } else {
+                            finish_reason(*reason)
+                        });
+                    }
+                }
+                Event::Error(_) => {
+                    if !claimed[i].swap(true, Ordering::AcqRel) {
+                        m.finished("error");
+                    }
+                }
+                Event::PromptScores(_) => {}
+            }
+            tx.send((i, e)).is_ok()
+        });
+        let id = r
+            .engine
+            .submit_with(request.clone(), sink)
+            .map_err(|e| ApiError::from_engine(&e, "prompt"))?;
+        guard.ids.push(id);
+    }
+    Ok((rx, guard))
+}
+
+/// What one choice produced.
+#[derive(Default)]
+struct ChoiceOut {
+    text: String,
+    tokens: Vec<TokenEvent>,
+    finish: Option<FinishReason>,
+    usage: Usage,
+}
+
+/// The usage of a whole request: each prompt counted once, every choice's tokens.
+fn usage_json(job: &Job, outs: &[Usage]) -> Value {
+    let prompt: usize = job.prompt_lens.iter().sum();
+    let completion: usize = outs.iter().map(|u| u.completion_tokens).sum();
+    let mut cached = vec![0; job.prompt_lens.len()];
+    for (u, &p) in outs.iter().zip(&job.prompt_of) {
+        cached[p] = cached[p].max(u.cached_tokens);
+    }
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached.iter().sum::<usize>()},
+    })
+}
+
+/// A token as the logprobs fields show it: its text (special tokens too) and bytes.
+fn token_piece(model: &Model, id: u32) -> (String, Vec<u8>) {
+    let bytes = model.tokenizer.token_bytes(id, true).unwrap_or_default();
+    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+}
+
+/// Chat's `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`.
+fn chat_logprobs(model: &Model, tokens: &[TokenEvent]) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let (text, bytes) = token_piece(model, id);
+        json!({"token": text, "logprob": lp, "bytes": bytes})
+    };
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(t.id, t.logprob.unwrap_or(0.0));
+            e["top_logprobs"] = t
+                .top_logprobs
+                .iter()
+                .map(|&(id, lp)| entry(id, lp))
+                .collect();
+            e
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Completions' `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`,
+/// offsets (in characters) counted from `offset`; returns the offset after the last token.
+fn completion_logprobs(model: &Model, tokens: &[TokenEvent], mut offset: usize) -> (Value, usize) {
+    let mut texts = Vec::with_capacity(tokens.len());
+    let mut offsets = Vec::with_capacity(tokens.len());
+    for t in tokens {
+        let (text, _) = token_piece(model, t.id);
+        offsets.push(offset);
+        offset += text.chars().count();
+        texts.push(text);
+    }
+    let top: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut m = serde_json::Map::new();
+            for &(id, lp) in &t.top_logprobs {
+                m.insert(token_piece(model, id).0, json!(lp));
+            }
+            Value::Object(m)
+        })
+        .collect();
+    let lps: Vec<Option<f32>> = tokens.iter().map(|t| t.logprob).collect();
+    (
+        json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}),
+        offset,
+    )
+}
+
+/// Waits for every choice's end and answers in one JSON response.
+async fn collect(
+    job: Job,
+    mut rx: Events,
+    guard: Inflight,
+    model: &Model,
+) -> Result<Response, ApiError> {
+    let n = job.choices.len();
+    let mut outs: Vec<ChoiceOut> = (0..n).map(|_| ChoiceOut::default()).collect();
+    for (i, o) in outs.iter_mut().enumerate() {
+        if let Some(e) = job.echo.get(job.prompt_of[i]) {
+            o.text.push_str(e);
+        }
+    }
+    let mut left = n;
+    while left > 0 {
+        let Some((i, e)) = rx.recv().await else {
+            return Err(ApiError::internal("the engine stopped"));
+        };
+        let o = &mut outs[i];
+        match e {
+            Event::Token(t) => {
+                o.text.push_str(&t.text);
+                if job.logprobs.is_some() {
+                    o.tokens.push(t);
+                }
+            }
+            Event::Finished {
+                reason,
+                text,
+                usage,
+            } => {
+                o.text.push_str(&text);
+                o.finish = Some(reason);
+                o.usage = usage;
+                left -= 1;
+            }
+            Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+            Event::PromptScores(_) => {}
+        }
+    }
+    drop(guard);
+    let usages: Vec<Usage> = outs.iter().map(|o| o.usage.clone()).collect();
+    let usage = usage_json(&job, &usages);
+    let finish = |o: &ChoiceOut| o.finish.map(finish_reason);
+    let choices: Vec<Value> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| match job.endpoint {
+            Endpoint::Chat => json!({
+                "index": i,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": job.logprobs.map(|_| chat_logprobs(model, &o.tokens)),
+                "finish_reason": finish(o),
+            }),
+            Endpoint::Completions => {
+                let echo = job
+                    .echo
+                    .get(job.prompt_of[i])
+                    .map_or(0, |e| e.chars().count());
+                json!({
+                    "index": i,
+                    "text": o.text,
+                    "logprobs": job.logprobs.map(|_| completion_logprobs(model, &o.tokens, echo).0),
+                    "finish_reason": finish(o),
+                })
+            }
+        })
+        .collect();
+    tracing::info!(
+        "done: {} completion tokens, finish {:?}",
+        usage["completion_tokens"],
+        outs.iter().map(finish).collect::<Vec<_>>()
+    );
+    let object = match job.endpoint {
+        Endpoint::Chat => "chat.completion",
+        Endpoint::Completions => "text_completion",
+    };
+    Ok(Json(json!({
+        "id": job.id,
+        "object": object,
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": usage,
+    }))
+    .into_response())
+}
+
+/// The state of a streamed response: engine events in, SSE events out.
+struct Streamer {
+    job: Job,
+    rx: Events,
+    guard: Option<Inflight>,
+    model: Arc<Model>,
+    queue: VecDeque<SseEvent>,
+    left: usize,
+    usages: Vec<Usage>,
+    /// Completions' logprob text offsets, per choice.
+    offsets: Vec<usize>,
+    done: bool,
+}
+
+impl Streamer {
+    fn chunk(&self, choices: Vec<Value>) -> SseEvent {
+        let object = match self.job.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        let mut c = json!({
+            "id": self.job.id,
+            "object": object,
+            "created": self.job.created,
+            "model": self.job.model,
+            "choices": choices,
+        });
+        if self.job.include_usage {
+            c["usage"] = Value::Null;
+        }
+        SseEvent::default().data(c.to_string())
+    }
+
+    /// A choice's piece of text (and its tokens' log-probabilities).
+    fn piece(&mut self, i: usize, text: &str, tokens: &[TokenEvent]) -> Value {
+        match self.job.endpoint {
+            Endpoint::Chat => json!({
+                "index": i,
+                "delta": {"content": text},
+                "logprobs": self.job.logprobs.map(|_| chat_logprobs(&self.model, tokens)),
+                "finish_reason": null,
+            }),
+            Endpoint::Completions => {
+                let lp = self.job.logprobs.map(|_| {
+                    let (v, end) = completion_logprobs(&self.model, tokens, self.offsets[i]);
+                    self.offsets[i] = end;
+                    v
+                });
+                json!({"index": i, "text": text, "logprobs": lp, "finish_reason": null})
+            }
+        }
+    }
+
+    /// The first events: the role of each choice (chat), the echoed prompt (completions).
+    fn start(&mut self) {
+        for i in 0..self.job.choices.len() {
+            let first = match self.job.endpoint {
+                Endpoint::Chat => Some(json!({
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null,
+                    "finish_reason": null,
+                })),
+                Endpoint::Completions => {
+                    self.job.echo.get(self.job.prompt_of[i]).cloned().map(|e| {
+                        self.offsets[i] = e.chars().count();
+                        json!({"index": i, "text": e, "logprobs": null, "finish_reason": null})
+                    })
+                }
+            };
+            if let Some(c) = first {
+                let ev = self.chunk(vec![c]);
+                self.queue.push_back(ev);
+            }
+        }
+    }
+
+    fn on_event(&mut self, i: usize, e: Event) {
+        match e {
+            Event::Token(t) => {
+                if t.text.is_empty() && self.job.logprobs.is_none() {
+                    return;
+                }
+                let text = t.text.clone();
+                let c = self.piece(i, &text, std::slice::from_ref(&t));
+                let ev = self.chunk(vec![c]);
+                self.queue.push_back(ev);
+            }
+            Event::Finished {
+                reason,
+                text,
+                usage,
+            } => {
+                if !text.is_empty() {
+                    let c = self.piece(i, &text, &[]);
+                    let ev = self.chunk(vec![c]);
+                    self.queue.push_back(ev);
+                }
+                let last = match self.job.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": i, "delta": {}, "logprobs": null,
+                        "finish_reason": finish_reason(reason),
+                    }),
+                    Endpoint::Completions => json!({
+                        "index": i, "text": "", "logprobs": null,
+                        "finish_reason": finish_reason(reason),
+                    }),
+                };
+                let ev = self.chunk(vec![last]);
+                self.queue.push_back(ev);
+                self.usages[i] = usage;
+                self.left -= 1;
+                if self.left == 0 {
+                    self.end();
+                }
+            }
+            Event::Error(e) => {
+                let err = ApiError::internal(format!("generation failed: {e}"));
+                self.queue
+                    .push_back(SseEvent::default().data(err.body().to_string()));
+                self.end();
+            }
+            Event::PromptScores(_) => {}
+        }
+    }
+
+    /// The usage chunk when asked, then `[DONE]`.
+    fn end(&mut self) {
+        let usage = usage_json(&self.job, &self.usages);
+        tracing::info!(
+            "request {}: streamed, {} completion tokens",
+            self.job.id,
+            usage["completion_tokens"]
+        );
+        if self.job.include_usage {
+            let object = match self.job.endpoint {
+                Endpoint::Chat => "chat.completion.chunk",
+                Endpoint::Completions => "text_completion",
+            };
+            let c = json!({
+                "id": self.job.id,
+                "object": object,
+                "created": self.job.created,
+                "model": self.job.model,
+                "choices": [],
+                "usage": usage,
+            });
+            self.queue
+                .push_back(SseEvent::default().data(c.to_string()));
+        }
+        self.queue.push_back(SseEvent::default().data("[DONE]"));
+        self.done = true;
+        self.guard = None;
+    }
+}
+
+fn stream(job: Job, rx: Events, guard: Inflight, model: Arc<Model>) -> Response {
+    let n = job.choices.len();
+    let mut s = Streamer {
+        job,
+        rx,
+        guard: Some(guard),
+        model,
+        queue: VecDeque::new(),
+        left: n,
+        usages: vec![Usage::default(); n],
+        offsets: vec![0; n],
+        done: false,
+    };
+    s.start();
+    // Dropping the stream (the client went away) drops the guard: the sequences end.
+    let events = futures_util::stream::unfold(s, |mut s| async move {
+        loop {
+            if let Some(ev) = s.queue.pop_front() {
+                return Some((Ok::<_, Infallible>(ev), s));
+            }
+            if s.done {
+                return None;
+            }
+            match s.rx.recv().await {
+                Some((i, e)) => s.on_event(i, e),
+                None => {
+                    tracing::warn!("request {}: the engine dropped its sequences", s.job.id);
+                    s.on_event(0, Event::Error("the engine stopped".into()));
+                }
+            }
+        }
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
