@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (carrying .device with a CUDA build of memra, see build-device.sh):
 # the server's cost. `memra bench --batched` at 64 sequences of 128 + 128 tokens, then
-# `memra serve -np 64` under scripts/bench-serve.py at concurrency 64 with the same
+# `memra serve -np 64` under `memra bench serve` at concurrency 64 with the same
 # lengths, on synthetic llama3-8b Q4_K_M. Logs and tables go to $OUT (or /tmp).
 set -u
 out=${OUT:-/tmp}
@@ -20,8 +20,8 @@ for _ in $(seq 600); do
   python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8080/health')" 2>/dev/null && break
   sleep 0.5
 done
-python3 scripts/bench-serve.py -n 64 -c 64 --input-len 128 --output-len 16 >/dev/null  # warm-up
-python3 scripts/bench-serve.py -n "$n" -c 64 --input-len 128 --output-len 128 | tee "$out/serve-bench.txt"
+.device/memra bench serve -n 64 -c 64 --input-len 128 --output-len 16 >/dev/null  # warm-up
+.device/memra bench serve -n "$n" -c 64 --input-len 128 --output-len 128 | tee "$out/serve-bench.txt"
 kill -TERM $pid
 wait $pid
 echo "serve exit: $?"

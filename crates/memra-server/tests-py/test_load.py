@@ -132,16 +132,17 @@ def test_sigterm_finishes_running_requests_then_exits_0(spawn):
 
 
 def test_bench_serve_reports_vllm_s_numbers(tiny):
-    """scripts/bench-serve.py, briefly: every request succeeds, the report has its rows."""
+    """`memra bench serve`, briefly: every request succeeds, the report has its rows; a
+    request the server refuses is a failure, and the run's exit status says so."""
     import subprocess
-    import sys
 
-    from conftest import ROOT
+    from conftest import memra_bin
 
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/bench-serve.py"), "--url", tiny.url, "-n", "40",
-         "-c", "8", "--input-len", "32", "--output-len", "8"],
-        capture_output=True, text=True, timeout=300)
+    def bench(*args):
+        return subprocess.run([memra_bin(), "bench", "serve", "--url", tiny.url, *args],
+                              capture_output=True, text=True, timeout=300)
+
+    out = bench("-n", "40", "-c", "8", "--input-len", "32", "--output-len", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     rows = dict(line.rsplit(None, 1) for line in out.stdout.splitlines()
                 if ":" in line and not line.startswith("="))
@@ -149,3 +150,8 @@ def test_bench_serve_reports_vllm_s_numbers(tiny):
     assert rows["Total generated tokens:"] == str(40 * 8)
     for name in ["Median TTFT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):"]:
         assert float(rows[name]) > 0
+    # Prompts longer than the context: refused with a 400, counted, exit status 1.
+    out = bench("-n", "3", "--input-len", "100000", "--output-len", "4")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Failed requests:                                      3" in out.stdout
+    assert "context_length_exceeded" in out.stderr

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_batched;
+mod bench_serve;
 mod generate;
 mod inspect;
 mod probe;
@@ -71,7 +72,8 @@ enum Command {
         #[arg(long)]
         chunks: Option<usize>,
     },
-    /// Measure prompt processing and generation speed (llama-bench's method and table).
+    /// Measure prompt processing and generation speed (llama-bench's method and table);
+    /// `memra bench serve --help`: load on a running server instead.
     Bench {
         #[command(flatten)]
         model: generate::ModelArgs,
@@ -123,6 +125,11 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         shared_prefix: usize,
     },
+    /// Load on a running OpenAI-compatible server (`memra serve`, vLLM, llama-server),
+    /// reported as vLLM's serving benchmark reports it (throughput, TTFT, TPOT, ITL). Spelled
+    /// `memra bench serve` (the model is the server's, so `bench`'s options do not apply).
+    #[command(name = "bench serve", hide = true)]
+    BenchServe(bench_serve::ServeBenchArgs),
     /// Serve the model over HTTP with OpenAI's API (chat and text completions, streaming),
     /// batching requests on the engine.
     Serve {
@@ -209,14 +216,20 @@ enum Command {
 
 /// llama-batched-bench spells its options with one dash (`-npp 128`), llama-server
 /// `-np 4`; clap would read that as `-n -p -p`, so they become `--npp`, `--parallel` first.
+/// `memra bench serve` takes no model (the server has it), so it is a command of its own
+/// that `bench serve` is rewritten to.
 fn args() -> Vec<std::ffi::OsString> {
-    std::env::args_os()
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os()
         .map(|a| match a.to_str() {
             Some("-npp" | "-ntg" | "-npl") => format!("-{}", a.to_str().unwrap_or("")).into(),
             Some("-np") => "--parallel".into(),
             _ => a,
         })
-        .collect()
+        .collect();
+    if args.len() > 2 && args[1] == "bench" && args[2] == "serve" {
+        args.splice(1..3, ["bench serve".into()]);
+    }
+    args
 }
 
 fn main() -> ExitCode {
@@ -245,6 +258,7 @@ fn main() -> ExitCode {
             system.as_deref(),
             n_predict,
         ),
+        Command::BenchServe(a) => bench_serve::run(&a),
         Command::Bench {
             model,
             output,
