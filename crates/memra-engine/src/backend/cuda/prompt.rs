@@ -1,5 +1,6 @@
 //! The GPU's operations of a prompt batch ([`LayerOps`]): up to [`MAX_BATCH`] tokens of
-//! any number of sequences (prompt chunks, perplexity), through f16 GEMMs on weights
+//! any number of sequences (prompt chunks, perplexity, and the decodes of a step with
+//! `GEMM_DECODE_ROWS` or more), through f16 GEMMs on weights
 //! dequantized one matrix (or chunk of rows) at a time into a scratch buffer, and paged
 //! flash attention. Mixture-of-experts FFNs run through the decode kernels, every token's
 //! chosen experts in one launch per projection. The rows that need logits go through the
