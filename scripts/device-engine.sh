@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine (after scripts/build-device.sh, carrying .device): the serving engine's
-# GPU checks: the paged kernels under compute-sanitizer (memcheck, racecheck), every GPU
-# test on the tiny models and synthetic llama3-1b, one-sequence speed (`memra bench`) and
-# batched speed (`memra bench --batched`, with and without a shared prefix) on synthetic
-# llama3-8b Q4_K_M. Full logs go to $OUT (or /tmp); a short summary is printed.
+# GPU checks: the attention and sampling kernels under compute-sanitizer (memcheck,
+# racecheck) and the decoder's paths under memcheck, every GPU test on the tiny models and
+# synthetic llama3-1b, perplexity and chat through the engine, one-sequence speed (`memra
+# bench`) and batched speed (`memra bench --batched`, both sides of GEMM_DECODE_ROWS, with
+# and without a shared prefix) on synthetic llama3-8b Q4_K_M. Logs go to $OUT (or /tmp, at
+# most 8 files: what the device tool brings back); a short summary is printed.
 set -u
 out=${OUT:-/tmp}
 m=${MEMRA_DEVICE_MODELS:-/tmp/memra-models}
