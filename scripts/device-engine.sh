@@ -3,7 +3,7 @@
 # GPU checks: the attention and sampling kernels under compute-sanitizer (memcheck,
 # racecheck) and the decoder's paths under memcheck, every GPU test on the tiny models and
 # synthetic llama3-1b, perplexity and chat through the engine, one-sequence speed (`memra
-# bench`) and batched speed (`memra bench --batched`, both sides of GEMM_DECODE_ROWS, with
+# bench`) and batched speed (`memra bench --batched`, both sides of its choosers, with
 # and without a shared prefix) on synthetic llama3-8b Q4_K_M. Logs go to $OUT (or /tmp, at
 # most 8 files: what the device tool brings back); a short summary is printed.
 set -u
@@ -48,9 +48,14 @@ f8=$(synth llama3-8b q4_k_m)
 .device/memra bench -m "$f8" -p 512 -n 128 -d 0,4096 -r 3 --device cuda 2>"$out/bench.log" | tee "$out/bench.md"
 .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,8,16,32,64,256 --device cuda 2>"$out/batched.log" \
   | tee "$out/batched.md"
-# The other side of GEMM_DECODE_ROWS: every decode through the mat-vec kernels.
-MEMRA_GEMM_DECODE_ROWS=100000 .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 16,32,64 \
-  --device cuda 2>>"$out/batched.log" | tail -n 3
+# The choosers' other sides: without f16 weight copies (dequantized per batch), the prompt
+# attention for the decodes of a batch, and the GEMM path from 2 decodes against the
+# mat-vec kernels up to 8.
+bb() { .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 --device cuda "$@" 2>>"$out/batched.log"; }
+echo "--f16-weights off:"; bb -npl 16,64,256 --f16-weights off | tail -n 3
+echo "MEMRA_BATCH_DECODE_ATTENTION=0:"; MEMRA_BATCH_DECODE_ATTENTION=0 bb -npl 16,64,256 | tail -n 3
+echo "MEMRA_GEMM_DECODE_ROWS=2:"; MEMRA_GEMM_DECODE_ROWS=2 bb -npl 2,4,8 | tail -n 3
+echo "default:"; bb -npl 2,4 | tail -n 2
 for sp in 0 1024; do
   .device/memra bench --batched -m "$f8" -npp 1152 -ntg 16 -npl 64 --shared-prefix $sp --device cuda \
     2>>"$out/batched.log" | tail -n 1

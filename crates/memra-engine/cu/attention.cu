@@ -63,7 +63,8 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
 // Sequence blockIdx.z's query sees its ctx_len positions (its own key included), read on
 // the device with its block table, so a captured graph replays with new ones without
 // changes; n_split is a plain argument a graph rewrites when the split count changes (a
-// short sequence's later splits are empty). Partials: MAX_SPLITS x n_head per sequence.
+// short sequence's later splits are empty). Partials: n_split x n_head per sequence (the
+// combine kernel reads them with the same n_split).
 template <int D>
 __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const __half* __restrict__ k_cache,
                                             const __half* __restrict__ v_cache, float* __restrict__ part_o,
@@ -78,8 +79,8 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
     (void)bs_log2;  // DECODE_BLOCK: the host checks the pool's blocks are its size
     q += (size_t)seq * n_head * D;
-    part_o += (size_t)seq * MAX_SPLITS * n_head * D;
-    part_ml += (size_t)seq * MAX_SPLITS * n_head * 2;
+    part_o += (size_t)seq * n_split * n_head * D;
+    part_ml += (size_t)seq * n_split * n_head * 2;
     const int first = window > 0 ? max(0, n_kv - window) : 0;
     // Splits start at multiples of 32 positions (keys before `first` are masked), so a
     // warp's step of 32 positions is two whole blocks: its slots come from two table
@@ -273,8 +274,9 @@ ATTN_DECODE(128)
 ATTN_DECODE(256)
 
 // Merges the splits of each head (blockIdx.x) of each sequence (blockIdx.y) into the
-// attention output, row blockIdx.y; writes it as f32 (`out`, may be null) and quantized to
-// int8 per 32 for the output projection's matvec (`xq`, `xd`, `xs`, may be null), as
+// attention output, row blockIdx.y; writes it as f32 (`out`, may be null), as f16 (`out_h`,
+// the output projection's GEMM input, may be null) and quantized to int8 per 32 for the
+// output projection's matvec (`xq`, `xd`, `xs`, may be null), as
 // quantize_act_q8 does. One block of D x SPLIT_GROUPS threads per head: the split weights are computed once per block, in parallel; thread (d, g) sums
 // dimension d over the splits g, g + SPLIT_GROUPS, ... with its loads in flight together,
 // and the groups meet in shared memory. (A serial loop over 64 splits, waiting on each
@@ -282,14 +284,15 @@ ATTN_DECODE(256)
 #define SPLIT_GROUPS 4
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                        float* __restrict__ out, int8_t* __restrict__ xq, float* __restrict__ xd,
-                                        float* __restrict__ xs, int n_head, int d_head, int n_split) {
+                                        float* __restrict__ out, __half* __restrict__ out_h,
+                                        int8_t* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
+                                        int n_head, int d_head, int n_split) {
     PDL_WAIT();
     __shared__ float weight[MAX_SPLITS];
     __shared__ float group_sum[SPLIT_GROUPS - 1][256];
     const int h = blockIdx.x, d = threadIdx.x % d_head, g = threadIdx.x / d_head, seq = blockIdx.y;
-    part_o += (size_t)seq * MAX_SPLITS * n_head * d_head;
-    part_ml += (size_t)seq * MAX_SPLITS * n_head * 2;
+    part_o += (size_t)seq * n_split * n_head * d_head;
+    part_ml += (size_t)seq * n_split * n_head * 2;
     float mx = -INFINITY;
     for (int s = threadIdx.x; s < n_split; s += blockDim.x) mx = fmaxf(mx, part_ml[((size_t)s * n_head + h) * 2]);
     mx = block_max(mx);
@@ -312,6 +315,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     const float v = acc / sum;
     const int i = (seq * n_head + h) * d_head + d;
     if (out) out[i] = v;
+    if (out_h) out_h[i] = __float2half(v);
     if (xq) quantize_warp_block(v, i, true, xq, xd, xs);
 }
 

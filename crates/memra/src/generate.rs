@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use memra_engine::backend::cuda::decoder::{GpuDecoder, PoolSize};
+use memra_engine::backend::cuda::decoder::{F16Weights, GpuDecoder, GpuOptions, PoolSize};
 use memra_engine::engine::{
     BatchRunner, CpuBatchRunner, Engine, EngineConfig, Event, FinishReason, GenerationParams,
     GpuBatchRunner, Request,
@@ -59,6 +59,30 @@ pub struct ModelArgs {
     /// Tokens computed per engine step at most: decodes first, then prompt chunks.
     #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
     pub batch_size: usize,
+    /// GPU: keep f16 copies of the weights for the GEMMs of prompts and many decodes (2
+    /// bytes a weight besides the quantized file's: 15 GiB for an 8B). auto: when they take
+    /// at most a quarter of the memory left free.
+    #[arg(long, value_enum, default_value_t = F16Arg::Auto)]
+    pub f16_weights: F16Arg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum F16Arg {
+    Auto,
+    On,
+    Off,
+}
+
+impl ModelArgs {
+    /// The GPU decoder's options, with a KV pool of `pool`.
+    fn gpu_options(&self, pool: PoolSize) -> GpuOptions {
+        let f16_weights = match self.f16_weights {
+            F16Arg::Auto => F16Weights::Auto,
+            F16Arg::On => F16Weights::On,
+            F16Arg::Off => F16Weights::Off,
+        };
+        GpuOptions { pool, f16_weights }
+    }
 }
 
 impl ModelArgs {
@@ -184,7 +208,8 @@ pub fn runner<'m>(
     Ok(match args.device() {
         Device::Cpu => Box::new(CpuRunner::new(&model.decoder, n_ctx, PROMPT_BATCH)),
         Device::Cuda => {
-            let gpu = GpuDecoder::new(0, &model.decoder, n_ctx)?;
+            let opts = args.gpu_options(PoolSize::Tokens(n_ctx));
+            let gpu = GpuDecoder::with_options(0, &model.decoder, n_ctx, opts)?;
             eprintln!(
                 "{} (file {:.0} MiB; prompt batches add their buffers at the first batch)",
                 gpu.memory_report(),
@@ -273,7 +298,7 @@ pub fn start_engine(
                     bail!("--kv-memory must be a fraction in (0, 1]");
                 }
             }
-            let gpu = GpuDecoder::with_pool(0, &model.decoder, n_ctx, size)?;
+            let gpu = GpuDecoder::with_options(0, &model.decoder, n_ctx, args.gpu_options(size))?;
             Box::new(GpuBatchRunner::new(gpu))
         }
     };

@@ -18,6 +18,9 @@ use crate::batch::ForwardBatch;
 pub const MAX_BATCH: usize = 512;
 /// Sequences decoded together by the matvec kernels (their row limit).
 pub const MAX_DECODE_ROWS: usize = MAX_TOKENS;
+/// Partial results (sequences x splits) the decode attention of a prompt batch's decodes
+/// keeps: 8 splits of each of MAX_BATCH decodes, more splits when fewer sequences.
+pub const BATCH_DECODE_PARTS: usize = 8 * MAX_BATCH;
 /// Weights dequantized to f16 at a time for a prompt GEMM (32 Mi, 64 MiB): a larger matrix goes
 /// in chunks of rows. Measured on llama3-8b q4_k_m (docs/cuda.md): the whole largest
 /// matrix (112 MiB) 16,183 t/s pp512, 64 MiB 15,728, 32 MiB 14,857.
@@ -137,17 +140,29 @@ impl StepMeta {
         self.buf.slice(o[2]..o[3])
     }
 
-    pub fn q_start(&self) -> CudaView<'_, i32> {
+    /// The query starts of the sequences from `first` on.
+    pub fn q_start_from(&self, first: usize) -> CudaView<'_, i32> {
         let o = self.offsets();
-        self.buf.slice(o[3]..o[4])
+        self.buf.slice(o[3] + first..o[4])
     }
 
     /// The paged layout of the first `n_seqs` sequences.
     pub fn paged(&self, n_seqs: usize, block_size: usize, pool_slots: usize) -> PagedKv<'_> {
+        self.paged_from(0, n_seqs, block_size, pool_slots)
+    }
+
+    /// The paged layout of `n_seqs` sequences from sequence `first` on.
+    pub fn paged_from(
+        &self,
+        first: usize,
+        n_seqs: usize,
+        block_size: usize,
+        pool_slots: usize,
+    ) -> PagedKv<'_> {
         let o = self.offsets();
         PagedKv {
-            ctx_len: self.buf.slice(o[4]..o[5]),
-            block_tables: self.buf.slice(o[5]..),
+            ctx_len: self.buf.slice(o[4] + first..o[5]),
+            block_tables: self.buf.slice(o[5] + first * self.max_blocks..),
             max_blocks: self.max_blocks,
             block_size,
             n_seqs,
@@ -310,6 +325,9 @@ pub struct BatchBuffers {
     /// Logits of the rows asked for (grown as needed), and their argmax.
     pub logits: Option<CudaSlice<f32>>,
     pub best: CudaSlice<i32>,
+    /// The decode attention's partial results for the batch's decodes.
+    pub part_o: CudaSlice<f32>,
+    pub part_ml: CudaSlice<f32>,
 }
 
 impl BatchBuffers {
@@ -349,12 +367,22 @@ impl BatchBuffers {
             moe: MoeBuffers::new(dev, layers, b, w.n_embd)?,
             logits: None,
             best: s.alloc_zeros(b)?,
+            part_o: s.alloc_zeros(BATCH_DECODE_PARTS * w.q_len)?,
+            part_ml: s.alloc_zeros(BATCH_DECODE_PARTS * w.n_head * 2)?,
         })
     }
 
     pub fn bytes(&self) -> usize {
         let f32s = [
-            &self.x, &self.q, &self.k, &self.v, &self.o, &self.g, &self.u,
+            &self.x,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.o,
+            &self.g,
+            &self.u,
+            &self.part_o,
+            &self.part_ml,
         ];
         f32s.iter().map(|b| bytes_of(b)).sum::<usize>()
             + bytes_of(&self.xh)

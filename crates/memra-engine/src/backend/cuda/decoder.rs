@@ -22,7 +22,7 @@
 use cudarc::driver::CudaSlice;
 use half::f16;
 
-use super::buffers::{BatchBuffers, StepBuffers, Widths};
+use super::buffers::{BatchBuffers, StepBuffers, Widths, BATCH_DECODE_PARTS};
 pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS};
 use super::decode::DecodePass;
 use super::graph::DecodeGraph;
@@ -46,6 +46,37 @@ pub const BLOCK_SIZE: usize = crate::kv::DEFAULT_BLOCK_SIZE;
 /// Q4_K_M, docs/engine.md): a group of 8 costs about 7.4 ms a step, the GEMM path about
 /// 20 ms plus 0.19 ms a sequence, so the GEMM path wins from a fourth group on.
 pub const GEMM_DECODE_ROWS: usize = 3 * MAX_DECODE_ROWS + 1;
+
+/// Decodes in one step from which they take the GEMM path when the decoder keeps f16
+/// copies of the weights ([`F16Weights`]): the GEMMs then read 2 bytes a weight and no
+/// dequantization, about 5 ms a step for an 8B on the H200 whatever the rows, against
+/// about 2.7 ms for one row and 7.4 ms for a group of 8 through the mat-vec kernels.
+/// From the second group on: up to one group, a sequence's tokens stay bit-identical to
+/// its tokens alone (the same kernels and rounding).
+pub const GEMM_DECODE_ROWS_F16: usize = MAX_DECODE_ROWS + 1;
+
+/// Whether the decoder keeps f16 copies of the matrices the GEMMs multiply (prompts and
+/// steps of many decodes), besides the quantized ones the mat-vec kernels read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum F16Weights {
+    /// When the copies take at most [`F16_AUTO_SHARE`] of the memory the quantized
+    /// weights and the asked KV cache leave free.
+    Auto,
+    On,
+    Off,
+}
+
+/// The share of free memory f16 copies may take under [`F16Weights::Auto`]: an 8B's
+/// 15 GiB on an H200 (134 GiB free), not on a 24 GiB card where they would crowd out
+/// the KV cache.
+pub const F16_AUTO_SHARE: f64 = 0.25;
+
+/// How a decoder is set up on its GPU.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuOptions {
+    pub pool: PoolSize,
+    pub f16_weights: F16Weights,
+}
 
 /// How large the KV pool is.
 #[derive(Clone, Copy, Debug)]
@@ -77,6 +108,9 @@ pub struct GpuDecoder {
     /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS;
     /// `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure both sides).
     gemm_decode_rows: usize,
+    /// A prompt batch's decodes take the decode attention kernels (off: the prompt
+    /// attention, one query in a tile; `MEMRA_BATCH_DECODE_ATTENTION=0`, to measure both).
+    batch_decode_attention: bool,
     /// One-sequence decode steps run eagerly so far (the graph is captured after the first).
     eager_steps: usize,
     /// The one-context API's sequence: positions it holds (in blocks 0, 1, ...).
@@ -104,6 +138,19 @@ impl GpuDecoder {
         n_ctx: usize,
         pool: PoolSize,
     ) -> Result<GpuDecoder, CudaError> {
+        let f16_weights = F16Weights::Auto;
+        GpuDecoder::with_options(ordinal, model, n_ctx, GpuOptions { pool, f16_weights })
+    }
+
+    /// Uploads `model` to GPU `ordinal` as `opts` say, for sequences of up to `n_ctx`
+    /// positions.
+    pub fn with_options(
+        ordinal: usize,
+        model: &Decoder,
+        n_ctx: usize,
+        opts: GpuOptions,
+    ) -> Result<GpuDecoder, CudaError> {
+        let pool = opts.pool;
         let dev = CudaDevice::new(ordinal)?;
         let hp = &model.hp;
         if hp.head_dim_k != hp.head_dim_v {
@@ -136,7 +183,30 @@ impl GpuDecoder {
                 free >> 20
             )));
         }
-        let w = GpuWeights::upload(&dev, model)?;
+        let mut w = GpuWeights::upload(&dev, model)?;
+        let keep_f16 = match opts.f16_weights {
+            F16Weights::On => true,
+            F16Weights::Off => false,
+            F16Weights::Auto => {
+                let (free, _) = dev.ctx.mem_get_info()?;
+                let left = free.saturating_sub(asked) as f64;
+                w.f16_copy_bytes() as f64 <= F16_AUTO_SHARE * left
+            }
+        };
+        if keep_f16 {
+            let (free, _) = dev.ctx.mem_get_info()?;
+            let need = w.f16_copy_bytes();
+            if need + asked > free {
+                return Err(CudaError::Invalid(format!(
+                    "f16 copies of the weights need {} MiB of GPU memory besides the KV \
+                     cache's {} MiB; {} MiB are free (--f16-weights off goes without them)",
+                    need >> 20,
+                    asked >> 20,
+                    free >> 20
+                )));
+            }
+            w.keep_f16(&dev)?;
+        }
         let widths = Widths {
             n_embd: hp.n_embd,
             q_len: hp.n_head * hd,
@@ -179,13 +249,16 @@ impl GpuDecoder {
         let gemm_decode_rows = std::env::var("MEMRA_GEMM_DECODE_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(GEMM_DECODE_ROWS);
+            .unwrap_or(match keep_f16 {
+                true => GEMM_DECODE_ROWS_F16,
+                false => GEMM_DECODE_ROWS,
+            });
         Ok(GpuDecoder {
             hp: hp.clone(),
             embd_scale: model.embd_scale.unwrap_or(1.0),
             gelu: model.activation == Activation::GeluTanh,
             softcap: model.final_logit_softcap,
-            weight_bytes: w.matrix_bytes,
+            weight_bytes: w.matrix_bytes + w.f16_bytes,
             cache_bytes: slots * token_bytes,
             w,
             k_cache,
@@ -198,6 +271,8 @@ impl GpuDecoder {
             graph: None,
             use_graph,
             gemm_decode_rows,
+            batch_decode_attention: std::env::var("MEMRA_BATCH_DECODE_ATTENTION")
+                .map_or(true, |v| v != "0"),
             eager_steps: 0,
             own_len: 0,
             n_ctx,
@@ -248,9 +323,13 @@ impl GpuDecoder {
             Ok((free, total)) => format!("; the driver counts {:.0} MiB in use", mib(total - free)),
             Err(_) => String::new(),
         };
+        let f16 = match self.w.f16_bytes {
+            0 => String::new(),
+            b => format!(" (f16 copies for the GEMMs {:.0} MiB)", mib(b)),
+        };
         format!(
-            "gpu memory: {:.0} MiB held: weights {:.0} MiB, KV cache {:.0} MiB (f16, {} positions \
-             in blocks of {BLOCK_SIZE}), buffers {:.0} MiB{driver}",
+            "gpu memory: {:.0} MiB held: weights {:.0} MiB{f16}, KV cache {:.0} MiB (f16, {} \
+             positions in blocks of {BLOCK_SIZE}), buffers {:.0} MiB{driver}",
             mib(held),
             mib(self.weight_bytes),
             mib(self.cache_bytes),
@@ -602,7 +681,19 @@ impl GpuDecoder {
         }
         let bb = self.batch.as_mut().expect("allocated above");
         bb.meta.fill(&self.dev, b)?;
-        let longest = (0..b.n_seqs())
+        // The leading one-token sequences (the scheduler puts decodes first) take the
+        // decode attention, with as many splits as the partials' buffer holds for them.
+        let decodes = match self.batch_decode_attention {
+            true => (0..b.n_seqs())
+                .take_while(|&s| b.seq_tokens(s).len() == 1)
+                .count(),
+            false => 0,
+        };
+        let decode_ctx = b.context_len[..decodes].iter().copied().max().unwrap_or(1);
+        let decode_split = ops::decode_splits(decode_ctx as usize)
+            .min(BATCH_DECODE_PARTS / decodes.max(1))
+            .max(1);
+        let longest = (decodes..b.n_seqs())
             .map(|s| b.seq_tokens(s).len())
             .max()
             .unwrap_or(1);
@@ -616,6 +707,8 @@ impl GpuDecoder {
             step: &mut self.step,
             n: b.n_tokens(),
             n_seqs: b.n_seqs(),
+            decodes,
+            decode_split,
             longest,
             rows: b.logit_rows.iter().map(|&r| r as usize).collect(),
             pool_slots: self.num_blocks * BLOCK_SIZE,

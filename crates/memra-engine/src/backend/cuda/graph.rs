@@ -26,8 +26,8 @@ use super::CudaError;
 /// index of `n_split`.
 const DECODE_ARGS: usize = 14;
 const DECODE_SPLIT_ARG: usize = 13;
-const COMBINE_ARGS: usize = 9;
-const COMBINE_SPLIT_ARG: usize = 8;
+const COMBINE_ARGS: usize = 10;
+const COMBINE_SPLIT_ARG: usize = 9;
 
 struct KernelNode {
     node: CUgraphNode,

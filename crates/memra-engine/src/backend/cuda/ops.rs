@@ -220,8 +220,8 @@ pub fn rope_qk_append(
 /// Keys per split of the decode attention: one 32-key step per warp of the block's two
 /// (enough work to hide the merge), and short contexts still spread over several blocks.
 pub const KEYS_PER_SPLIT: usize = 64;
-/// The most splits (the partial buffers hold this many per sequence, `MAX_SPLITS` in
-/// attention.cu): 64-key splits up to depth 8,192 (the kernel rounds a split's share up to
+/// The most splits (`MAX_SPLITS` in attention.cu, the combine kernel's shared weights):
+/// 64-key splits up to depth 8,192 (the kernel rounds a split's share up to
 /// 32 keys: at depth 4,096, 64 splits left a third of them empty, 65 do not).
 pub const MAX_SPLITS: usize = 128;
 
@@ -232,8 +232,8 @@ pub fn decode_splits(n_kv: usize) -> usize {
 
 /// Decode attention, first half, for one query of each of `kv.n_seqs` sequences: block
 /// (kv head, split, sequence) writes its partial result for the query heads of its group
-/// into `part_o` (sequences x MAX_SPLITS x n_head x head_dim) and `part_ml` (sequences x
-/// MAX_SPLITS x n_head x 2). `q` is sequences x n_head x head_dim.
+/// into `part_o` (sequences x n_split x n_head x head_dim) and `part_ml` (sequences x
+/// n_split x n_head x 2). `q` is sequences x n_head x head_dim.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode(
     dev: &CudaDevice,
@@ -257,8 +257,8 @@ pub fn attention_decode(
     check(
         q.len() >= n * s.n_head * s.head_dim_k
             && (1..=MAX_SPLITS).contains(&n_split)
-            && part_o.len() >= n * MAX_SPLITS * s.n_head * s.head_dim_k
-            && part_ml.len() >= n * MAX_SPLITS * s.n_head * 2,
+            && part_o.len() >= n * n_split * s.n_head * s.head_dim_k
+            && part_ml.len() >= n * n_split * s.n_head * 2,
         "attention_decode: shapes",
     )?;
     let f = dev.function("attention", decode_kernel(s.head_dim_k))?;
@@ -327,8 +327,8 @@ pub fn attention_combine_into(
     check(
         acts.q.len() >= len
             && (1..=MAX_SPLITS).contains(&n_split)
-            && part_o.len() >= n_seqs * MAX_SPLITS * s.n_head * s.head_dim_k
-            && part_ml.len() >= n_seqs * MAX_SPLITS * s.n_head * 2
+            && part_o.len() >= n_seqs * n_split * s.n_head * s.head_dim_k
+            && part_ml.len() >= n_seqs * n_split * s.n_head * 2
             && out.as_ref().is_none_or(|o| o.len() >= len),
         "attention_combine: shapes",
     )?;
@@ -337,7 +337,7 @@ pub fn attention_combine_into(
     let mut cfg = blocks(s.n_head, 4 * s.head_dim_k as u32);
     cfg.grid_dim.1 = n_seqs as u32;
     let (nh, d, ns, null) = (s.n_head as i32, s.head_dim_k as i32, n_split as i32, 0u64);
-    // SAFETY: n_seqs x MAX_SPLITS x n_head x head_dim partials and n_seqs x n_head x
+    // SAFETY: n_seqs x n_split x n_head x head_dim partials and n_seqs x n_head x
     // head_dim outputs (checked above).
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
@@ -346,9 +346,53 @@ pub fn attention_combine_into(
             Some(o) => b.arg(o),
             None => b.arg(&null),
         };
-        b.arg(&mut acts.q)
+        b.arg(&null)
+            .arg(&mut acts.q)
             .arg(&mut acts.d)
             .arg(&mut acts.s)
+            .arg(&nh)
+            .arg(&d)
+            .arg(&ns)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Decode attention, second half, for the decodes of a prompt batch: merges the splits of
+/// `n_seqs` sequences into rows `0..n_seqs` of `out` (f16, the output projection's GEMM
+/// input).
+pub fn attention_combine_f16(
+    dev: &CudaDevice,
+    s: &AttentionShape,
+    part_o: &CudaSlice<f32>,
+    part_ml: &CudaSlice<f32>,
+    out: &mut CudaSlice<f16>,
+    n_split: usize,
+    n_seqs: usize,
+) -> Result<(), CudaError> {
+    check(
+        out.len() >= n_seqs * s.n_head * s.head_dim_k
+            && (1..=MAX_SPLITS).contains(&n_split)
+            && part_o.len() >= n_seqs * n_split * s.n_head * s.head_dim_k
+            && part_ml.len() >= n_seqs * n_split * s.n_head * 2,
+        "attention_combine_f16: shapes",
+    )?;
+    let f = dev.function("attention", "attn_combine")?;
+    let mut cfg = blocks(s.n_head, 4 * s.head_dim_k as u32);
+    cfg.grid_dim.1 = n_seqs as u32;
+    let (nh, d, ns, null) = (s.n_head as i32, s.head_dim_k as i32, n_split as i32, 0u64);
+    // SAFETY: n_seqs x n_split x n_head x head_dim partials and n_seqs x n_head x head_dim
+    // outputs (checked above); the f32 and int8 outputs are null.
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(part_o)
+            .arg(part_ml)
+            .arg(&null)
+            .arg(out)
+            .arg(&null)
+            .arg(&null)
+            .arg(&null)
             .arg(&nh)
             .arg(&d)
             .arg(&ns)

@@ -45,9 +45,13 @@ pub(super) struct PromptPass<'a> {
     pub v_cache: &'a mut [CudaSlice<f16>],
     pub bb: &'a mut BatchBuffers,
     pub step: &'a mut StepBuffers,
-    /// Tokens and sequences in the batch, and the longest sequence's tokens.
+    /// Tokens and sequences in the batch.
     pub n: usize,
     pub n_seqs: usize,
+    /// The leading sequences of one token each (decodes), whose attention runs through the
+    /// decode kernels in `decode_split` splits; the longest of the other sequences' tokens.
+    pub decodes: usize,
+    pub decode_split: usize,
     pub longest: usize,
     /// Batch rows whose logits the pass returns.
     pub rows: Vec<usize>,
@@ -135,7 +139,7 @@ impl LayerOps for PromptPass<'_> {
         self.linear(&l.wv, Out::V)?;
         let bb = &mut *self.bb;
         qk_extras(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n, self.hp.rms_eps)?;
-        let (pos, slots, q_start) = (bb.meta.pos(), bb.meta.slots(), bb.meta.q_start());
+        let (pos, slots) = (bb.meta.pos(), bb.meta.slots());
         ops::rope_qk_append(
             dev,
             &mut bb.q,
@@ -150,19 +154,39 @@ impl LayerOps for PromptPass<'_> {
             n,
             self.pool_slots,
         )?;
-        let kv = bb.meta.paged(self.n_seqs, self.block_size, self.pool_slots);
-        ops::attention_prefill(
-            dev,
-            &l.attn,
-            &bb.q,
+        let (k, v, bs, slots) = (
             &self.k_cache[li],
             &self.v_cache[li],
-            &mut bb.xh,
-            &q_start,
-            &kv,
-            n,
-            self.longest,
-        )?;
+            self.block_size,
+            self.pool_slots,
+        );
+        if self.decodes > 0 {
+            // One query per sequence: split-K over its keys and the query heads of a KV
+            // head together, instead of a prompt tile of 32 queries holding one.
+            let (d, ns) = (self.decodes, self.decode_split);
+            let kv = bb.meta.paged(d, bs, slots);
+            let (o, ml) = (&mut bb.part_o, &mut bb.part_ml);
+            ops::attention_decode(dev, &l.attn, &bb.q, k, v, o, ml, &kv, ns)?;
+            ops::attention_combine_f16(dev, &l.attn, o, ml, &mut bb.xh, ns, d)?;
+        }
+        if self.n_seqs > self.decodes {
+            let first = self.decodes;
+            let kv = bb.meta.paged_from(first, self.n_seqs - first, bs, slots);
+            let q_start = bb.meta.q_start_from(first);
+            let out = &mut bb.xh;
+            ops::attention_prefill(
+                dev,
+                &l.attn,
+                &bb.q,
+                k,
+                v,
+                out,
+                &q_start,
+                &kv,
+                n,
+                self.longest,
+            )?;
+        }
         self.linear(&l.wo, Out::O)?;
         if let Some(w) = &l.post_attn_norm {
             ops::rms_norm_inplace(dev, &mut self.bb.o, w, n, self.hp.rms_eps)?;
@@ -307,20 +331,23 @@ pub(super) fn alloc_batch(
     widths: &Widths,
     max_blocks: usize,
 ) -> Result<BatchBuffers, CudaError> {
+    let matrices = || {
+        w.layers
+            .iter()
+            .flat_map(|l| {
+                let mut m = vec![&l.wq, &l.wk, &l.wv, &l.wo];
+                match &l.ffn {
+                    GpuFfn::Dense { gate, up, down } => m.extend([gate, up, down]),
+                    GpuFfn::Experts(x) => m.push(&x.router),
+                }
+                m
+            })
+            .chain([&w.output])
+    };
     // Matrices are dequantized in chunks of rows that fit GEMM_SCRATCH weights (at least
-    // one row); smaller models need less.
-    let w_max = w
-        .layers
-        .iter()
-        .flat_map(|l| {
-            let mut m = vec![&l.wq, &l.wk, &l.wv, &l.wo];
-            match &l.ffn {
-                GpuFfn::Dense { gate, up, down } => m.extend([gate, up, down]),
-                GpuFfn::Experts(x) => m.push(&x.router),
-            }
-            m
-        })
-        .chain([&w.output])
+    // one row); smaller models need less, and matrices with f16 copies none.
+    let w_max = matrices()
+        .filter(|w| !w.has_f16())
         .map(|w| w.n_in * w.n_out.min(gemm_chunk_rows(GEMM_SCRATCH, w.n_in)))
         .max()
         .unwrap_or(0);
@@ -328,8 +355,8 @@ pub(super) fn alloc_batch(
 }
 
 /// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T` through f16 weights: F16 weights as they
-/// are, any other type dequantized into the scratch buffer first, in chunks of rows that
-/// fit it.
+/// are, the f16 copy where the decoder keeps one, else the matrix dequantized into the
+/// scratch buffer first, in chunks of rows that fit it.
 fn linear(
     dev: &CudaDevice,
     gemm: &Gemm,
@@ -340,9 +367,13 @@ fn linear(
     n: usize,
 ) -> Result<(), CudaError> {
     let rb = w.row_bytes();
+    let (m, k) = (w.n_out, w.n_in);
     if w.ty == memra_gguf::GgmlType::F16 {
-        let all = w.w.slice(..w.n_out * rb);
-        return gemm.f16_f32(dev, &all, x, y, 0, w.n_out, n, w.n_in, w.n_out);
+        let all = w.w.slice(..m * rb);
+        return gemm.f16_f32(dev, &all, x, y, 0, m, n, k, m);
+    }
+    if let Some(h) = &w.f16 {
+        return gemm.f16_f32(dev, &h.slice(..), x, y, 0, m, n, k, m);
     }
     let chunk = gemm_chunk_rows(scratch.len(), w.n_in);
     for r0 in (0..w.n_out).step_by(chunk) {

@@ -1,11 +1,14 @@
 //! The model's weights on the GPU: every matrix uploaded in its quantized form (Q8_0 and
 //! Q6_K regrouped for 16-byte loads, `matvec::upload_weights`), norms and biases as f32,
-//! each mixture-of-experts projection's experts in one buffer.
+//! each mixture-of-experts projection's experts in one buffer; where memory allows, the
+//! GEMMs' matrices also dequantized to f16 once ([`GpuWeights::keep_f16`]).
 
 use cudarc::driver::CudaSlice;
+use half::f16;
 
+use super::buffers::{gemm_chunk_rows, GEMM_SCRATCH};
 use super::matvec::{supported, upload_weights, ExpertWeights};
-use super::ops::{check_shape, AttentionShape, DeviceRope};
+use super::ops::{self, check_shape, AttentionShape, DeviceRope};
 use super::{CudaDevice, CudaError};
 use crate::models::layers::{Decoder, Ffn};
 use crate::models::rope::RopeLayout;
@@ -16,6 +19,9 @@ pub(super) struct GpuLinear {
     pub(super) ty: memra_gguf::GgmlType,
     pub(super) n_in: usize,
     pub(super) n_out: usize,
+    /// The matrix dequantized to f16 once, for the GEMMs of prompts and many decodes
+    /// (which otherwise dequantize it into a scratch buffer at every batch).
+    pub(super) f16: Option<CudaSlice<f16>>,
 }
 
 impl GpuLinear {
@@ -23,6 +29,20 @@ impl GpuLinear {
         self.ty
             .row_bytes(self.n_in as u64)
             .expect("checked at upload") as usize
+    }
+
+    /// Whether the GEMMs find the matrix in f16 (an F16 matrix, or an f16 copy): no
+    /// dequantization into the scratch buffer.
+    pub(super) fn has_f16(&self) -> bool {
+        self.f16.is_some() || self.ty == memra_gguf::GgmlType::F16
+    }
+
+    /// Bytes an f16 copy takes (none for a matrix that is f16 already).
+    fn f16_bytes(&self) -> usize {
+        match self.ty {
+            memra_gguf::GgmlType::F16 => 0,
+            _ => 2 * self.n_in * self.n_out,
+        }
     }
 }
 
@@ -110,6 +130,8 @@ pub(super) struct GpuWeights {
     /// Device bytes of the matrices, and of the norms, biases and rope factors.
     pub(super) matrix_bytes: usize,
     pub(super) small_bytes: usize,
+    /// Device bytes of the f16 copies ([`GpuWeights::keep_f16`]).
+    pub(super) f16_bytes: usize,
 }
 
 /// Bytes of `model`'s matrices in the file (what the upload will take).
@@ -173,6 +195,7 @@ impl GpuWeights {
                 ty: l.ty(),
                 n_in: l.n_in(),
                 n_out: l.n_out(),
+                f16: None,
             })
         };
         let mut layers = Vec::with_capacity(model.layers.len());
@@ -261,6 +284,54 @@ impl GpuWeights {
             output,
             matrix_bytes: linears + expert_bytes,
             small_bytes: small,
+            f16_bytes: 0,
         })
+    }
+
+    /// The matrices the GEMMs multiply (every layer's projections, the experts' router and
+    /// the output head; not the token embeddings, which are gathered, nor the experts,
+    /// which go through the decode kernels).
+    fn gemm_matrices(&mut self) -> impl Iterator<Item = &mut GpuLinear> {
+        self.layers
+            .iter_mut()
+            .flat_map(|l| {
+                let mut m = vec![&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo];
+                match &mut l.ffn {
+                    GpuFfn::Dense { gate, up, down } => m.extend([gate, up, down]),
+                    GpuFfn::Experts(x) => m.push(&mut x.router),
+                }
+                m
+            })
+            .chain([&mut self.output])
+    }
+
+    /// Bytes that f16 copies of the GEMMs' matrices would take.
+    pub(super) fn f16_copy_bytes(&mut self) -> usize {
+        self.gemm_matrices().map(|w| w.f16_bytes()).sum()
+    }
+
+    /// Dequantizes every GEMM matrix to f16 and keeps the copies, so that a batch's GEMMs
+    /// read 2 bytes a weight once instead of dequantizing (read 0.6, write and read 2)
+    /// first: on the H200 that is the whole cost of a many-decode step (docs/cuda.md).
+    pub(super) fn keep_f16(&mut self, dev: &CudaDevice) -> Result<(), CudaError> {
+        let mut bytes = 0;
+        for w in self.gemm_matrices() {
+            if w.f16_bytes() == 0 || w.f16.is_some() {
+                continue;
+            }
+            let mut dq = dev.stream.alloc_zeros::<f16>(w.n_out * w.n_in)?;
+            // In chunks the size of the prompt path's scratch, as it dequantizes.
+            let (rb, chunk) = (w.row_bytes(), gemm_chunk_rows(GEMM_SCRATCH, w.n_in));
+            for r0 in (0..w.n_out).step_by(chunk) {
+                let m = chunk.min(w.n_out - r0);
+                let rows = w.w.slice(r0 * rb..(r0 + m) * rb);
+                let mut out = dq.slice_mut(r0 * w.n_in..(r0 + m) * w.n_in);
+                ops::dequantize_f16(dev, &rows, w.ty, &mut out, m, w.n_in)?;
+            }
+            bytes += w.f16_bytes();
+            w.f16 = Some(dq);
+        }
+        self.f16_bytes += bytes;
+        Ok(())
     }
 }
