@@ -10,6 +10,7 @@ pub mod kv;
 pub mod models;
 pub mod sampler;
 pub mod scheduler;
+pub mod spec;
 pub mod stop;
 pub mod synth;
 pub mod tokenizer;

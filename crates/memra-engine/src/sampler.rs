@@ -144,6 +144,25 @@ pub struct DeviceFilters {
     pub temperature: f32,
 }
 
+/// What a row's next token is drawn from ([`Sampler::distribution`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Distribution {
+    /// Temperature 0: this token.
+    Greedy(u32),
+    /// These tokens with these probabilities, best first.
+    Candidates(Vec<(u32, f32)>),
+}
+
+impl Distribution {
+    /// The probability of `id`.
+    pub fn prob(&self, id: u32) -> f32 {
+        match self {
+            Distribution::Greedy(g) => f32::from(u8::from(*g == id)),
+            Distribution::Candidates(c) => c.iter().find(|c| c.0 == id).map_or(0.0, |c| c.1),
+        }
+    }
+}
+
 pub struct Sampler {
     config: SamplerConfig,
     rng: Rng,
@@ -226,6 +245,16 @@ impl Sampler {
 
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        match self.distribution(logits) {
+            Distribution::Greedy(id) => id,
+            Distribution::Candidates(cand) => self.draw(&cand),
+        }
+    }
+
+    /// What [`Sampler::sample`] draws from for one row of logits, with the penalties of the
+    /// tokens accepted so far: the adjusted logits' best token at temperature 0, else the
+    /// candidates the filters leave, best first, with their probabilities.
+    pub fn distribution(&self, logits: &[f32]) -> Distribution {
         let c = &self.config;
         let mut l = logits.to_vec();
         for (&id, &b) in &c.logit_bias {
@@ -235,7 +264,7 @@ impl Sampler {
         }
         self.apply_penalties(&mut l);
         if c.temperature <= 0.0 {
-            return argmax(&l);
+            return Distribution::Greedy(argmax(&l));
         }
         // Candidates sorted by logit, best first (ties: lower id first).
         let mut cand: Vec<(u32, f32)> = l
@@ -245,7 +274,7 @@ impl Sampler {
             .map(|(i, &v)| (i as u32, v))
             .collect();
         if cand.is_empty() {
-            return argmax(&l);
+            return Distribution::Greedy(argmax(&l));
         }
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if c.top_k > 0 && c.top_k < cand.len() {
@@ -275,15 +304,30 @@ impl Sampler {
             v.1 /= c.temperature;
         }
         let probs = softmax(&cand);
-        let r = self.rng.next_f64();
+        Distribution::Candidates(
+            cand.iter()
+                .zip(probs)
+                .map(|(&(id, _), p)| (id, p))
+                .collect(),
+        )
+    }
+
+    /// Draws from candidates with probabilities (summing to 1).
+    pub fn draw(&mut self, cand: &[(u32, f32)]) -> u32 {
+        let r = self.uniform();
         let mut cum = 0f64;
-        for (&(id, _), &p) in cand.iter().zip(&probs) {
+        for &(id, p) in cand {
             cum += f64::from(p);
             if r < cum {
                 return id;
             }
         }
         cand.last().expect("non-empty").0
+    }
+
+    /// A uniform number in [0, 1) from the sampler's generator.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
     }
 
     /// How often each token appears among the recent ones the penalties look at (none

@@ -54,6 +54,9 @@ pub struct Sequence {
     /// which needs every position's logits).
     pub use_prefix_cache: bool,
     pub preemptions: usize,
+    /// Drafted tokens at the end of `tokens` (speculative decoding), not yet verified:
+    /// computed with the sequence's last token, never cached.
+    pub draft: usize,
 }
 
 impl Sequence {
@@ -69,6 +72,7 @@ impl Sequence {
             cached_tokens: None,
             use_prefix_cache: true,
             preemptions: 0,
+            draft: 0,
         }
     }
 
@@ -171,6 +175,9 @@ impl Scheduler {
         seq.blocks.clear();
         seq.block_hashes.clear();
         seq.num_computed = 0;
+        // A recomputed sequence starts from what it had verified.
+        seq.tokens.truncate(seq.tokens.len() - seq.draft);
+        seq.draft = 0;
     }
 
     /// Takes blocks so that `seq` holds `n` positions; false (nothing taken) when the pool
@@ -336,18 +343,27 @@ impl Scheduler {
             let seq = &mut self.running[i];
             debug_assert_eq!(seq.num_computed, s.start);
             seq.num_computed += s.n;
-            while (seq.block_hashes.len() + 1) * bs <= seq.num_computed {
-                let j = seq.block_hashes.len();
-                let parent = seq.block_hashes.last().copied();
-                let h =
-                    self.blocks
-                        .register(seq.blocks[j], parent, &seq.tokens[j * bs..(j + 1) * bs]);
-                seq.block_hashes.push(h);
-                if let Some(at) = seq.inflight.iter().position(|&f| f == h) {
-                    seq.inflight.remove(at);
-                    if self.inflight.get(&h) == Some(&seq.id) {
-                        self.inflight.remove(&h);
-                    }
+            Self::register_full(&mut self.blocks, &mut self.inflight, seq, bs);
+        }
+    }
+
+    /// Puts the full blocks of `seq`'s computed and verified tokens in the prefix cache.
+    fn register_full(
+        blocks: &mut BlockManager,
+        inflight: &mut HashMap<u64, SeqId>,
+        seq: &mut Sequence,
+        bs: usize,
+    ) {
+        let verified = seq.num_computed.min(seq.tokens.len() - seq.draft);
+        while (seq.block_hashes.len() + 1) * bs <= verified {
+            let j = seq.block_hashes.len();
+            let parent = seq.block_hashes.last().copied();
+            let h = blocks.register(seq.blocks[j], parent, &seq.tokens[j * bs..(j + 1) * bs]);
+            seq.block_hashes.push(h);
+            if let Some(at) = seq.inflight.iter().position(|&f| f == h) {
+                seq.inflight.remove(at);
+                if inflight.get(&h) == Some(&seq.id) {
+                    inflight.remove(&h);
                 }
             }
         }
@@ -356,6 +372,36 @@ impl Scheduler {
     /// Appends a sampled token to running sequence `id` (computed by a later step).
     pub fn append(&mut self, id: SeqId, token: u32) {
         self.running_mut(id).tokens.push(token);
+    }
+
+    /// Appends drafted tokens to running sequence `id`, which decodes (its last token is
+    /// the only one left to compute): the next step computes them with it, like a prompt
+    /// chunk, and [`Scheduler::settle_draft`] keeps the ones verified.
+    pub fn add_draft(&mut self, id: SeqId, draft: &[u32]) {
+        let seq = self.running_mut(id);
+        debug_assert!(seq.draft == 0 && seq.remaining() == 1);
+        seq.tokens.extend_from_slice(draft);
+        seq.draft = draft.len();
+    }
+
+    /// Keeps the first `accepted` drafted tokens of sequence `id` and drops the others:
+    /// their positions are computed again when the sequence gets there (the blocks that
+    /// held only them go back to the pool; none of them was cached).
+    pub fn settle_draft(&mut self, id: SeqId, accepted: usize) {
+        let bs = self.blocks.block_size();
+        let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            return; // preempted: free_blocks dropped the drafts
+        };
+        let seq = &mut self.running[i];
+        let keep = seq.tokens.len() - seq.draft + accepted.min(seq.draft);
+        seq.tokens.truncate(keep);
+        seq.draft = 0;
+        seq.num_computed = seq.num_computed.min(keep);
+        while seq.blocks.len() > keep.div_ceil(bs).max(seq.block_hashes.len()) {
+            let b = seq.blocks.pop().expect("more blocks than kept");
+            self.blocks.release(b);
+        }
+        Self::register_full(&mut self.blocks, &mut self.inflight, seq, bs);
     }
 
     /// Removes sequence `id`, running or waiting, giving its blocks back (their prefixes
@@ -574,6 +620,100 @@ mod tests {
         assert!(s.remove(2).is_none());
         assert!(s.is_idle());
         assert_eq!(s.blocks.num_free(), 16);
+        s.check().unwrap();
+    }
+
+    /// Speculative drafts: computed with the last token in one step, the accepted ones
+    /// kept, the others dropped with the blocks that held only them, none of them ever in
+    /// the prefix cache.
+    #[test]
+    fn drafts_are_verified_settled_and_never_cached() {
+        let mut s = sched(16, 2, 8, 100);
+        s.add(Sequence::new(1, vec![1, 2, 3]));
+        step(&mut s, 4); // prompt done, token 4 appended
+        s.add_draft(1, &[5, 6, 7, 8]);
+        let st = s.schedule();
+        assert_eq!(
+            st.seqs,
+            [Scheduled {
+                id: 1,
+                start: 3,
+                n: 5,
+                logits: true
+            }]
+        );
+        s.complete(&st);
+        s.check().unwrap();
+        // Only 5 of the drafts were right: keep one.
+        s.settle_draft(1, 1);
+        let seq = s.get(1).unwrap();
+        assert_eq!(seq.tokens, [1, 2, 3, 4, 5]);
+        assert_eq!((seq.num_computed, seq.draft, seq.blocks.len()), (5, 0, 3));
+        s.check().unwrap();
+        s.append(1, 9);
+        assert_eq!(
+            s.schedule().seqs[0],
+            Scheduled {
+                id: 1,
+                start: 5,
+                n: 1,
+                logits: true
+            }
+        );
+        // Another sequence with the rejected drafts in its prompt finds only verified
+        // blocks: [1, 2] and [3, 4] (and [5, 9] once computed), not [5, 6] or [7, 8].
+        let mut s2 = sched(16, 2, 8, 100);
+        s2.add(Sequence::new(1, vec![1, 2, 3]));
+        step(&mut s2, 4);
+        s2.add_draft(1, &[5, 6, 7, 8]);
+        let st = s2.schedule();
+        s2.complete(&st);
+        s2.settle_draft(1, 0);
+        s2.append(1, 9);
+        step(&mut s2, 0);
+        s2.add(Sequence::new(2, vec![1, 2, 3, 4, 5, 6, 7, 8, 0]));
+        let st = s2.schedule();
+        let new = st.seqs.iter().find(|q| q.id == 2).unwrap();
+        assert_eq!(new.start, 4, "only the verified blocks are cached");
+        s2.complete(&st);
+        s2.check().unwrap();
+    }
+
+    /// A sequence preempted with drafts waits without them; a settle after that is a
+    /// no-op, and chunked drafts (a budget smaller than the draft) keep what was computed.
+    #[test]
+    fn drafts_do_not_survive_preemption_and_may_be_chunked() {
+        let mut s = sched(3, 2, 8, 100);
+        s.add(Sequence::new(1, vec![1, 2, 3]));
+        step(&mut s, 4);
+        s.add_draft(1, &[5, 6, 7]);
+        // 7 positions need 4 blocks of the 3 there are: the sequence preempts itself.
+        let st = s.schedule();
+        assert_eq!(st.preempted, [1]);
+        s.settle_draft(1, 2);
+        let seq = s.get(1).unwrap();
+        assert_eq!((seq.tokens.as_slice(), seq.draft), (&[1, 2, 3, 4][..], 0));
+        s.check().unwrap();
+
+        let mut s = sched(16, 2, 8, 3);
+        s.add(Sequence::new(1, vec![1, 2, 3]));
+        step(&mut s, 4);
+        s.add_draft(1, &[5, 6, 7]);
+        let st = s.schedule();
+        assert_eq!(
+            st.seqs,
+            [Scheduled {
+                id: 1,
+                start: 3,
+                n: 3,
+                logits: false
+            }]
+        );
+        s.complete(&st);
+        // Rows for 4, 5, 6 verify 5 and 6; 7 was not computed.
+        s.settle_draft(1, 2);
+        let seq = s.get(1).unwrap();
+        assert_eq!((seq.tokens.len(), seq.num_computed), (6, 6));
         s.check().unwrap();
     }
 }

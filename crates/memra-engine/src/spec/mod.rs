@@ -1,0 +1,70 @@
+//! Speculative decoding: drafts of the next few tokens, verified by the target model in
+//! one forward pass over all of them (a verify step costs about what a decode step costs
+//! while decoding is bound by reading the weights, so every accepted draft is a token
+//! almost for free).
+//!
+//! Drafts come from prompt lookup ([`ngram`]: the sequence's own earlier tokens).
+//! [`verify`] accepts a prefix of them so that the output is distributed exactly as plain
+//! decoding's: at temperature 0 the very tokens plain decoding gives, above it the
+//! standard rejection rule (accept a draft with probability min(1, p/q), else draw from the
+//! normalized residual max(0, p - q)), where p is the sampler's distribution for the row
+//! (after its penalties, bias and filters) and q the draft's.
+
+pub mod ngram;
+mod verify;
+
+pub use verify::{verify, Verdict};
+
+/// How a sequence speculates.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpecConfig {
+    /// Prompt lookup: match the last `ngram` tokens (down to 1) earlier in the sequence.
+    pub ngram: usize,
+    /// Drafted tokens per step at most, and at least (fewer found: no speculation).
+    pub draft_max: usize,
+    pub draft_min: usize,
+    /// Speculate only while at most this many sequences run: a large batch is already
+    /// compute-bound, where verifying rejected drafts costs real time.
+    pub max_batch: usize,
+}
+
+impl SpecConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.ngram == 0 {
+            return Err("--spec-ngram must be at least 1".into());
+        }
+        if self.draft_max == 0 || self.draft_min > self.draft_max {
+            return Err(format!(
+                "--draft-max ({}) must be at least 1 and at least --draft-min ({})",
+                self.draft_max, self.draft_min
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The draft length a sequence uses next, adapting to how many of its recent drafts were
+/// accepted: twice the recent acceptance plus one, within the configured bounds (drafts
+/// that keep failing shrink to the minimum; ones that keep passing grow to the maximum).
+#[derive(Clone, Debug)]
+pub struct DraftLength {
+    /// Exponential moving average of accepted drafts per step.
+    accepted: f32,
+}
+
+impl Default for DraftLength {
+    fn default() -> DraftLength {
+        DraftLength { accepted: 2.0 }
+    }
+}
+
+impl DraftLength {
+    pub fn next(&self, c: &SpecConfig) -> usize {
+        let want = (2.0 * self.accepted).ceil() as usize + 1;
+        want.clamp(c.draft_min.max(1), c.draft_max)
+    }
+
+    pub fn record(&mut self, accepted: usize) {
+        self.accepted = 0.7 * self.accepted + 0.3 * accepted as f32;
+    }
+}
