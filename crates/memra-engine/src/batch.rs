@@ -13,6 +13,10 @@ pub enum RowPick<'a> {
     /// The most likely token.
     Greedy,
     Sample(&'a mut Sampler),
+    /// Sample among the tokens `mask` allows only (a grammar's: bit `t % 32` of word
+    /// `t / 32` set for an allowed token `t`, tokens past the mask not allowed): the other
+    /// logits are minus infinity before the sampler sees them.
+    Masked(&'a mut Sampler, &'a [u32]),
     Logits,
 }
 

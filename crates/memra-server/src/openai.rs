@@ -192,6 +192,7 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
                     ignore_eos: c.ignore_eos,
                     logprobs: c.logprobs,
                     score_from: None,
+                    constraint: None,
                 },
             };
             r.engine
