@@ -733,11 +733,7 @@ impl Streamer {
             return String::new();
         }
         let pending = &cs.text[cs.sent..];
-        // Llama 3 and JSON calls are the whole reply: once text went out, no call follows.
-        let start = match (tp.format, cs.sent > 0) {
-            (ToolFormat::Llama3 | ToolFormat::Json, true) => None,
-            (f, _) => tools::call_start(f, pending),
-        };
+        let start = tools::call_start(tp.format, pending, cs.sent == 0);
         let k = start.unwrap_or(pending.len());
         let out = pending[..k].to_string();
         // A Hermes block that has begun holds everything after it; a partial marker, or a

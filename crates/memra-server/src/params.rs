@@ -328,7 +328,10 @@ pub fn messages(f: &Fields) -> Result<Value, ApiError> {
             for c in calls {
                 let args = c.get_mut("function").and_then(|f| f.get_mut("arguments"));
                 if let Some(a) = args {
-                    if let Some(v) = a.as_str().and_then(|s| serde_json::from_str::<Value>(s).ok()) {
+                    if let Some(v) = a
+                        .as_str()
+                        .and_then(|s| serde_json::from_str::<Value>(s).ok())
+                    {
                         *a = v;
                     }
                 }

@@ -186,7 +186,10 @@ pub fn tools(f: &Fields) -> Result<Option<ToolRequest>, ApiError> {
                 "only tools of type \"function\" are supported",
             ));
         }
-        let func = t.get("function").filter(|v| v.is_object()).ok_or_else(|| type_error(&at("function"), "an object"))?;
+        let func = t
+            .get("function")
+            .filter(|v| v.is_object())
+            .ok_or_else(|| type_error(&at("function"), "an object"))?;
         let name = func
             .get("name")
             .and_then(Value::as_str)
@@ -195,7 +198,12 @@ pub fn tools(f: &Fields) -> Result<Option<ToolRequest>, ApiError> {
         let parameters = match func.get("parameters") {
             None | Some(Value::Null) => serde_json::json!({"type": "object"}),
             Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => return Err(type_error(&at("function.parameters"), "an object (a JSON schema)")),
+            Some(_) => {
+                return Err(type_error(
+                    &at("function.parameters"),
+                    "an object (a JSON schema)",
+                ))
+            }
         };
         tools.push(Tool {
             name: name.to_string(),
@@ -245,7 +253,9 @@ mod tests {
             Some((Grammar::JsonObject, "response_format"))
         );
         assert_eq!(
-            g(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s, "strict": true}}})),
+            g(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s, "strict": true}}})
+            ),
             Some((Grammar::JsonSchema(s.clone()), "response_format"))
         );
         assert_eq!(
@@ -256,27 +266,50 @@ mod tests {
             g(json!({"grammar": "start: \"a\""})),
             Some((Grammar::Lark("start: \"a\"".into()), "grammar"))
         );
-        assert_eq!(g(json!({"json_schema": s})), Some((Grammar::JsonSchema(s.clone()), "json_schema")));
+        assert_eq!(
+            g(json!({"json_schema": s})),
+            Some((Grammar::JsonSchema(s.clone()), "json_schema"))
+        );
         assert_eq!(g(json!({"response_format": null, "grammar": null})), None);
     }
 
     #[test]
     fn bad_output_fields_name_themselves() {
-        assert_eq!(param(grammar_of(json!({"response_format": "json"}))), "response_format");
-        assert_eq!(param(grammar_of(json!({"response_format": {"type": "xml"}}))), "response_format.type");
-        assert_eq!(param(grammar_of(json!({"response_format": {"type": "json_schema"}}))), "response_format.json_schema");
         assert_eq!(
-            param(grammar_of(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}))),
+            param(grammar_of(json!({"response_format": "json"}))),
+            "response_format"
+        );
+        assert_eq!(
+            param(grammar_of(json!({"response_format": {"type": "xml"}}))),
+            "response_format.type"
+        );
+        assert_eq!(
+            param(grammar_of(
+                json!({"response_format": {"type": "json_schema"}})
+            )),
+            "response_format.json_schema"
+        );
+        assert_eq!(
+            param(grammar_of(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}})
+            )),
             "response_format.json_schema.schema"
         );
         assert_eq!(
-            param(grammar_of(json!({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes"}}}))),
+            param(grammar_of(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes"}}})
+            )),
             "response_format.json_schema.strict"
         );
         assert_eq!(param(grammar_of(json!({"grammar": 5}))), "grammar");
-        assert_eq!(param(grammar_of(json!({"json_schema": "{}"}))), "json_schema");
         assert_eq!(
-            param(grammar_of(json!({"grammar": "start: \"a\"", "json_schema": {}}))),
+            param(grammar_of(json!({"json_schema": "{}"}))),
+            "json_schema"
+        );
+        assert_eq!(
+            param(grammar_of(
+                json!({"grammar": "start: \"a\"", "json_schema": {}})
+            )),
             "json_schema"
         );
     }
@@ -285,28 +318,54 @@ mod tests {
     fn tools_and_choices_parse_and_bad_ones_name_their_field() {
         let t = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
                        {"type": "function", "function": {"name": "g"}}]);
-        let r = tools_of(json!({"tools": t, "tool_choice": {"type": "function", "function": {"name": "g"}},
-                                "parallel_tool_calls": false}))
-            .unwrap()
-            .unwrap();
+        let r = tools_of(
+            json!({"tools": t, "tool_choice": {"type": "function", "function": {"name": "g"}},
+                                "parallel_tool_calls": false}),
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(r.choice, ToolChoice::Function("g".into()));
         assert!(!r.parallel);
         assert_eq!(r.tools[1].parameters, json!({"type": "object"}));
-        assert_eq!(tools_of(json!({"tools": t})).unwrap().unwrap().choice, ToolChoice::Auto);
-        assert_eq!(tools_of(json!({"tool_choice": "none"})).unwrap(), None);
-        assert_eq!(param(tools_of(json!({"tool_choice": "required"}))), "tool_choice");
-        assert_eq!(param(tools_of(json!({"tools": t, "tool_choice": "maybe"}))), "tool_choice");
         assert_eq!(
-            param(tools_of(json!({"tools": t, "tool_choice": {"type": "function", "function": {"name": "h"}}}))),
+            tools_of(json!({"tools": t})).unwrap().unwrap().choice,
+            ToolChoice::Auto
+        );
+        assert_eq!(tools_of(json!({"tool_choice": "none"})).unwrap(), None);
+        assert_eq!(
+            param(tools_of(json!({"tool_choice": "required"}))),
             "tool_choice"
         );
-        assert_eq!(param(tools_of(json!({"tools": [{"type": "code"}]}))), "tools[0].type");
-        assert_eq!(param(tools_of(json!({"tools": [{"type": "function", "function": {}}]}))), "tools[0].function.name");
         assert_eq!(
-            param(tools_of(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 1}}]}))),
+            param(tools_of(json!({"tools": t, "tool_choice": "maybe"}))),
+            "tool_choice"
+        );
+        assert_eq!(
+            param(tools_of(
+                json!({"tools": t, "tool_choice": {"type": "function", "function": {"name": "h"}}})
+            )),
+            "tool_choice"
+        );
+        assert_eq!(
+            param(tools_of(json!({"tools": [{"type": "code"}]}))),
+            "tools[0].type"
+        );
+        assert_eq!(
+            param(tools_of(
+                json!({"tools": [{"type": "function", "function": {}}]})
+            )),
+            "tools[0].function.name"
+        );
+        assert_eq!(
+            param(tools_of(
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 1}}]})
+            )),
             "tools[0].function.parameters"
         );
         assert_eq!(param(tools_of(json!({"tools": {}}))), "tools");
-        assert_eq!(param(tools_of(json!({"tools": t, "parallel_tool_calls": 1}))), "parallel_tool_calls");
+        assert_eq!(
+            param(tools_of(json!({"tools": t, "parallel_tool_calls": 1}))),
+            "parallel_tool_calls"
+        );
     }
 }

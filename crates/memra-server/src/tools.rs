@@ -138,8 +138,10 @@ pub fn parse(format: ToolFormat, text: &str, tools: &[Tool], parallel: bool) -> 
     };
     let mut parsed = match format {
         ToolFormat::Hermes => {
+            // Small models taught the tags often write the bare JSON (Qwen2.5-Coder 0.5B
+            // does): that is a call too.
             let Some(first) = text.find(HERMES_OPEN) else {
-                return plain();
+                return parse(ToolFormat::Json, text, tools, parallel);
             };
             let mut calls = Vec::new();
             let mut rest = &text[first..];
@@ -232,10 +234,22 @@ fn json_values(s: &str, sep: char) -> Option<Vec<Value>> {
 
 /// Where in `text` a tool call may start, for streaming: text before it can be sent as
 /// content, the rest must wait for the parse at the end. `None` when nothing in `text`
-/// can be (or become, with more text) a call.
-pub fn call_start(format: ToolFormat, text: &str) -> Option<usize> {
+/// can be (or become, with more text) a call. `at_start`: `text` begins the reply.
+pub fn call_start(format: ToolFormat, text: &str, at_start: bool) -> Option<usize> {
+    // A reply that is (or may become) one JSON call, in any format.
+    let json_reply = || {
+        let t = text.trim_start();
+        let could = t.is_empty()
+            || t.starts_with('{')
+            || t.starts_with('[')
+            || PYTHON_TAG.starts_with(t)
+            || t.starts_with(PYTHON_TAG)
+            || "```".starts_with(t)
+            || t.starts_with("```");
+        (at_start && could).then_some(0)
+    };
     match format {
-        ToolFormat::Hermes => text.find(HERMES_OPEN).or_else(|| {
+        ToolFormat::Hermes => json_reply().or_else(|| text.find(HERMES_OPEN)).or_else(|| {
             // A suffix that may grow into the marker.
             (1..HERMES_OPEN.len())
                 .rev()
@@ -244,17 +258,7 @@ pub fn call_start(format: ToolFormat, text: &str) -> Option<usize> {
         }),
         // These formats are a call only when the whole reply is one: anything but
         // whitespace before a JSON start (or a fence, or the tag) makes it text.
-        ToolFormat::Llama3 | ToolFormat::Json => {
-            let t = text.trim_start();
-            let could = t.is_empty()
-                || t.starts_with('{')
-                || t.starts_with('[')
-                || PYTHON_TAG.starts_with(t)
-                || t.starts_with(PYTHON_TAG)
-                || "```".starts_with(t)
-                || t.starts_with("```");
-            could.then_some(0)
-        }
+        ToolFormat::Llama3 | ToolFormat::Json => json_reply(),
     }
 }
 
@@ -280,11 +284,7 @@ pub fn grammar(format: ToolFormat, tools: &[Tool], only: Option<&str>, parallel:
         1 => alternatives.into_iter().next().expect("one"),
         _ => json!({"anyOf": alternatives}),
     };
-    let schema = |s: Value| {
-        with_json_options(s)
-            .expect("an object schema")
-            .to_string()
-    };
+    let schema = |s: Value| with_json_options(s).expect("an object schema").to_string();
     let lark = match format {
         ToolFormat::Hermes => {
             let call = format!("\"{HERMES_OPEN}\\n\" call_json \"\\n{HERMES_CLOSE}\"");
@@ -325,10 +325,15 @@ pub fn call_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    let mut z = crate::unix_time_micros() ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut z = crate::unix_time_micros()
+        ^ COUNTER
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let mut id = String::from("call_");
     for _ in 0..24 {
-        z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        z = z
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         id.push(ALPHABET[(z >> 33) as usize % ALPHABET.len()] as char);
     }
     id

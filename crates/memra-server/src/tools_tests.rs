@@ -47,10 +47,46 @@ fn hermes_calls_parse_with_text_before_them() {
     assert_eq!(p.content.as_deref(), Some("Let me check."));
     assert_eq!(
         p.calls,
-        [call("add", json!({"a": 1})), call("get_weather", json!({"city": "Oslo"}))]
+        [
+            call("add", json!({"a": 1})),
+            call("get_weather", json!({"city": "Oslo"}))
+        ]
     );
     // Only the first without parallel calls.
-    assert_eq!(parse(ToolFormat::Hermes, out, &tools(), false).calls.len(), 1);
+    assert_eq!(
+        parse(ToolFormat::Hermes, out, &tools(), false).calls.len(),
+        1
+    );
+}
+
+/// Qwen2.5-Coder 0.5B under its own (Hermes) template, recorded through `memra serve`
+/// (greedy, `tool_choice: auto`): it writes the call's JSON bare or in a fence, and
+/// once a pseudo-call of no declared tool.
+#[test]
+fn recorded_qwen_replies_parse_as_calls_or_stay_text() {
+    let weather =
+        "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}";
+    assert_eq!(
+        parsed(ToolFormat::Hermes, weather).calls,
+        [call(
+            "get_weather",
+            json!({"city": "Paris", "unit": "celsius"})
+        )]
+    );
+    let fenced = "```json\n{\n  \"name\": \"add\",\n  \"arguments\": {\n    \"a\": 2,\n    \"b\": 3\n  }\n}\n```";
+    assert_eq!(
+        parsed(ToolFormat::Hermes, fenced).calls,
+        [call("add", json!({"a": 2, "b": 3}))]
+    );
+    let pseudo = "```json\n{\n  \"name\": \"hello world\",\n  \"arguments\": {}\n}\n```";
+    assert_eq!(
+        parsed(ToolFormat::Hermes, pseudo).content.as_deref(),
+        Some(pseudo)
+    );
+    assert_eq!(
+        parsed(ToolFormat::Hermes, "17 plus 25 equals 42.").calls,
+        []
+    );
 }
 
 #[test]
@@ -58,13 +94,22 @@ fn llama3_calls_parse_with_or_without_the_python_tag() {
     let one = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}";
     let want = vec![call("get_weather", json!({"city": "Paris"}))];
     assert_eq!(parsed(ToolFormat::Llama3, one).calls, want);
-    assert_eq!(parsed(ToolFormat::Llama3, &format!("<|python_tag|>{one}")).calls, want);
-    assert_eq!(parsed(ToolFormat::Llama3, &format!("\n\n{one}\n")).calls, want);
+    assert_eq!(
+        parsed(ToolFormat::Llama3, &format!("<|python_tag|>{one}")).calls,
+        want
+    );
+    assert_eq!(
+        parsed(ToolFormat::Llama3, &format!("\n\n{one}\n")).calls,
+        want
+    );
     // Calls separated by `;`, a `;` inside an argument.
     let two = "{\"name\": \"add\", \"parameters\": {\"a\": 2}}; {\"name\": \"get_weather\", \"parameters\": {\"city\": \"a;b\"}}";
     assert_eq!(
         parsed(ToolFormat::Llama3, two).calls,
-        [call("add", json!({"a": 2})), call("get_weather", json!({"city": "a;b"}))]
+        [
+            call("add", json!({"a": 2})),
+            call("get_weather", json!({"city": "a;b"}))
+        ]
     );
 }
 
@@ -87,11 +132,26 @@ fn generic_json_calls_parse_in_every_accepted_shape() {
 fn plain_answers_and_malformed_calls_stay_text() {
     let cases = [
         (ToolFormat::Hermes, "The weather in Paris is usually mild."),
-        (ToolFormat::Hermes, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \n</tool_call>"),
-        (ToolFormat::Hermes, "<tool_call>\n{\"name\": \"undeclared\", \"arguments\": {}}\n</tool_call>"),
-        (ToolFormat::Hermes, "<tool_call>\n{\"name\": \"add\", \"arguments\": [1]}\n</tool_call>"),
-        (ToolFormat::Llama3, "Sure! {\"name\": \"add\", \"parameters\": {\"a\": 1}}"),
-        (ToolFormat::Llama3, "{\"name\": \"add\", \"parameters\": {\"a\": 1}} and more"),
+        (
+            ToolFormat::Hermes,
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \n</tool_call>",
+        ),
+        (
+            ToolFormat::Hermes,
+            "<tool_call>\n{\"name\": \"undeclared\", \"arguments\": {}}\n</tool_call>",
+        ),
+        (
+            ToolFormat::Hermes,
+            "<tool_call>\n{\"name\": \"add\", \"arguments\": [1]}\n</tool_call>",
+        ),
+        (
+            ToolFormat::Llama3,
+            "Sure! {\"name\": \"add\", \"parameters\": {\"a\": 1}}",
+        ),
+        (
+            ToolFormat::Llama3,
+            "{\"name\": \"add\", \"parameters\": {\"a\": 1}} and more",
+        ),
         (ToolFormat::Llama3, "{\"answer\": 42}"),
         (ToolFormat::Json, "Here is some JSON: {\"a\": 1}"),
         (ToolFormat::Json, "{\"a\": 1}"),
@@ -112,26 +172,38 @@ fn plain_answers_and_malformed_calls_stay_text() {
 
 #[test]
 fn streaming_holds_back_only_what_may_become_a_call() {
-    assert_eq!(call_start(ToolFormat::Hermes, "Hello"), None);
-    assert_eq!(call_start(ToolFormat::Hermes, "Hello <tool"), Some(6));
-    assert_eq!(call_start(ToolFormat::Hermes, "Hi <tool_call>\n{"), Some(3));
-    assert_eq!(call_start(ToolFormat::Hermes, "a < b"), None);
-    assert_eq!(call_start(ToolFormat::Llama3, "  "), Some(0));
-    assert_eq!(call_start(ToolFormat::Llama3, "<|python"), Some(0));
-    assert_eq!(call_start(ToolFormat::Llama3, "{\"name\""), Some(0));
-    assert_eq!(call_start(ToolFormat::Llama3, "The answer"), None);
-    assert_eq!(call_start(ToolFormat::Json, "``"), Some(0));
-    assert_eq!(call_start(ToolFormat::Json, "Sure"), None);
+    assert_eq!(call_start(ToolFormat::Hermes, "Hello", true), None);
+    assert_eq!(call_start(ToolFormat::Hermes, "Hello <tool", true), Some(6));
+    assert_eq!(
+        call_start(ToolFormat::Hermes, "Hi <tool_call>\n{", true),
+        Some(3)
+    );
+    assert_eq!(call_start(ToolFormat::Hermes, "a < b", true), None);
+    assert_eq!(call_start(ToolFormat::Hermes, " {\"na", true), Some(0));
+    assert_eq!(call_start(ToolFormat::Hermes, "{\"na", false), None);
+    assert_eq!(call_start(ToolFormat::Llama3, "  ", true), Some(0));
+    assert_eq!(call_start(ToolFormat::Llama3, "<|python", true), Some(0));
+    assert_eq!(call_start(ToolFormat::Llama3, "{\"name\"", true), Some(0));
+    assert_eq!(call_start(ToolFormat::Llama3, "{\"name\"", false), None);
+    assert_eq!(call_start(ToolFormat::Llama3, "The answer", true), None);
+    assert_eq!(call_start(ToolFormat::Json, "``", true), Some(0));
+    assert_eq!(call_start(ToolFormat::Json, "Sure", true), None);
 }
 
 #[test]
 fn formats_come_from_the_template_text() {
-    assert_eq!(ToolFormat::detect("{{- '<tool_call>\\n' }}{{ tools }}"), ToolFormat::Hermes);
+    assert_eq!(
+        ToolFormat::detect("{{- '<tool_call>\\n' }}{{ tools }}"),
+        ToolFormat::Hermes
+    );
     assert_eq!(
         ToolFormat::detect("<|start_header_id|>ipython{% if tools %}<|python_tag|>"),
         ToolFormat::Llama3
     );
-    assert_eq!(ToolFormat::detect("<|im_start|>{{ message.content }}"), ToolFormat::Json);
+    assert_eq!(
+        ToolFormat::detect("<|im_start|>{{ message.content }}"),
+        ToolFormat::Json
+    );
     assert_eq!(ToolFormat::from_name("llama3"), Some(ToolFormat::Llama3));
     assert_eq!(ToolFormat::from_name("xml"), None);
 }
@@ -141,17 +213,30 @@ fn grammars_name_the_chosen_functions_in_the_format() {
     let Grammar::Lark(g) = grammar(ToolFormat::Hermes, &tools(), Some("add"), false) else {
         panic!("a Lark grammar");
     };
-    assert!(g.starts_with("start: call\ncall: \"<tool_call>\\n\" call_json \"\\n</tool_call>\""), "{g}");
-    assert!(g.contains("{\"const\":\"add\"}") && !g.contains("get_weather"), "{g}");
+    assert!(
+        g.starts_with("start: call\ncall: \"<tool_call>\\n\" call_json \"\\n</tool_call>\""),
+        "{g}"
+    );
+    assert!(
+        g.contains("{\"const\":\"add\"}") && !g.contains("get_weather"),
+        "{g}"
+    );
     let Grammar::Lark(g) = grammar(ToolFormat::Llama3, &tools(), None, true) else {
         panic!("a Lark grammar");
     };
-    assert!(g.contains("anyOf") && g.contains("\"parameters\"") && g.contains("get_weather"), "{g}");
+    assert!(
+        g.contains("anyOf") && g.contains("\"parameters\"") && g.contains("get_weather"),
+        "{g}"
+    );
 }
 
 #[test]
 fn call_ids_look_like_openai_s() {
     let (a, b) = (call_id(), call_id());
-    assert!(a.starts_with("call_") && a.len() == 29 && a[5..].chars().all(|c| c.is_ascii_alphanumeric()));
+    assert!(
+        a.starts_with("call_")
+            && a.len() == 29
+            && a[5..].chars().all(|c| c.is_ascii_alphanumeric())
+    );
     assert_ne!(a, b);
 }

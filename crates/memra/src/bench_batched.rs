@@ -73,7 +73,11 @@ fn measure(
     // The constrained sequences' grammars, copied before the clock starts.
     let n_constrained = constrained.map_or(0, |(_, f)| ((b as f64 * f).round() as usize).min(b));
     let mut grammars: Vec<Option<Constraint>> = (0..b)
-        .map(|i| constrained.filter(|_| i < n_constrained).map(|(c, _)| c.clone()))
+        .map(|i| {
+            constrained
+                .filter(|_| i < n_constrained)
+                .map(|(c, _)| c.clone())
+        })
         .collect();
     let start = Instant::now();
     let handles = (0..b)

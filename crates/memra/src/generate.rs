@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use memra_engine::backend::cuda::decoder::{GpuDecoder, PoolSize};
+use memra_engine::constraint::{Constraint, Grammar};
 use memra_engine::engine::{
     BatchRunner, CpuBatchRunner, Engine, EngineConfig, Event, FinishReason, GenerationParams,
     GpuBatchRunner, Request,
@@ -16,7 +17,6 @@ use memra_engine::engine::{
 use memra_engine::generate::{
     perplexity_chunks, CpuRunner, GenerateConfig, GenerateStats, NllSum, Runner, StopReason,
 };
-use memra_engine::constraint::{Constraint, Grammar};
 use memra_engine::kv::DEFAULT_BLOCK_SIZE;
 use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
@@ -376,7 +376,9 @@ pub fn read_prompt(prompt: Option<&str>, file: Option<&Path>) -> Result<String> 
 /// The grammar of `run --json-schema FILE` or `--grammar FILE` (GBNF when it defines
 /// rules with `::=`, else Lark).
 pub fn read_grammar(json_schema: Option<&Path>, grammar: Option<&Path>) -> Result<Option<Grammar>> {
-    let read = |f: &Path| std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()));
+    let read = |f: &Path| {
+        std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))
+    };
     Ok(match (json_schema, grammar) {
         (Some(f), _) => {
             let v: serde_json::Value = serde_json::from_str(&read(f)?)
