@@ -190,6 +190,33 @@ impl Constraint {
     }
 }
 
+/// A constrained row's mask, computed on another thread while the step runs: the runner
+/// waits for it when it picks the row's token.
+#[derive(Debug, Default)]
+pub struct MaskSlot(std::sync::OnceLock<Result<Vec<u32>, String>>);
+
+impl MaskSlot {
+    /// Fills the slot (once; later calls are ignored).
+    pub fn set(&self, mask: Result<Vec<u32>, String>) {
+        let _ = self.0.set(mask);
+    }
+
+    /// Waits for the mask; `None` when it could not be computed (the runner then returns
+    /// the row's logits and the engine ends the sequence with the error).
+    pub fn wait(&self) -> Option<&[u32]> {
+        self.0.wait().as_ref().ok().map(Vec::as_slice)
+    }
+
+    /// The mask or the error, once set (an unset slot reads as an error).
+    pub fn result(&self) -> Result<&[u32], &str> {
+        match self.0.get() {
+            Some(Ok(m)) => Ok(m),
+            Some(Err(e)) => Err(e),
+            None => Err("the mask was not computed"),
+        }
+    }
+}
+
 /// Whether `mask` allows token `t` (tokens past its end are not allowed).
 pub fn allows(mask: &[u32], t: usize) -> bool {
     mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)

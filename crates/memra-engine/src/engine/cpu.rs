@@ -41,11 +41,14 @@ impl BatchRunner for CpuBatchRunner {
             .map(|(row, pick)| match pick {
                 RowPick::Greedy => RowOut::Token(argmax(row)),
                 RowPick::Sample(s) => RowOut::Token(s.sample(row)),
-                RowPick::Masked(s, mask) => {
-                    let mut row = row.to_vec();
-                    apply_mask(&mut row, mask);
-                    RowOut::Token(s.sample(&row))
-                }
+                RowPick::Masked(s, slot) => match slot.wait() {
+                    Some(mask) => {
+                        let mut row = row.to_vec();
+                        apply_mask(&mut row, mask);
+                        RowOut::Token(s.sample(&row))
+                    }
+                    None => RowOut::Logits(row.to_vec()),
+                },
                 RowPick::Logits => RowOut::Logits(row.to_vec()),
             })
             .collect())

@@ -11,7 +11,7 @@ use super::{
 use rayon::prelude::*;
 
 use crate::batch::{ForwardBatch, RowOut, RowPick};
-use crate::constraint::{apply_mask, Constraint};
+use crate::constraint::{apply_mask, Constraint, MaskSlot};
 use crate::kv::BlockManager;
 use crate::models::Model;
 use crate::sampler::Sampler;
@@ -115,27 +115,27 @@ pub(super) fn run(
             continue;
         }
         let (batch, rows) = build_batch(&step, &sched, &live, runner.block_size());
-        let masks = constraint_masks(&step, &mut live);
+        // The grammars of the constrained sequences that sample: their masks are computed
+        // on a thread of their own while the forward runs (the runner waits for a row's
+        // mask only when it picks that row's token: on a GPU, after the step's kernels are
+        // launched).
+        let mut constrained = take_constraints(&step, &mut live);
+        let slots: Vec<MaskSlot> = constrained.iter().map(|_| MaskSlot::default()).collect();
+        let slot_of: HashMap<SeqId, &MaskSlot> =
+            constrained.iter().map(|(id, _)| *id).zip(&slots).collect();
         // Each sequence's last row is sampled by the runner (on the device where it can;
         // among its grammar's tokens for a constrained one) unless its log-probabilities
         // are wanted; scoring rows come back as logits. The samplers leave their sequences
         // for the step.
         let mut samplers: Vec<Sampler> = Vec::new();
-        let mut plan: Vec<Option<Option<&[u32]>>> = Vec::with_capacity(batch.logit_rows.len());
+        let mut plan: Vec<Option<Option<&MaskSlot>>> = Vec::with_capacity(batch.logit_rows.len());
         for (s, &n_rows) in step.seqs.iter().zip(&rows) {
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
-            let mask = match masks.get(&s.id) {
-                None => Some(None),
-                Some(Ok(m)) => Some(Some(m.as_slice())),
-                Some(Err(_)) => None, // fails after the step
-            };
-            let sample_here = s.logits
-                && l.request.params.logprobs.is_none()
-                && l.runner_samples()
-                && mask.is_some();
+            let sample_here = s.logits && l.request.params.logprobs.is_none() && l.runner_samples();
             plan.extend(std::iter::repeat_n(None, n_rows));
             if sample_here {
-                *plan.last_mut().expect("a sampled sequence has its row") = mask;
+                *plan.last_mut().expect("a sampled sequence has its row") =
+                    Some(slot_of.get(&s.id).copied());
                 samplers.push(l.sampler.take().expect("a sampler per sequence"));
             }
         }
@@ -144,17 +144,33 @@ pub(super) fn run(
             .iter()
             .map(|&p| match p {
                 Some(None) => RowPick::Sample(it.next().expect("one per sampled row")),
-                Some(Some(mask)) => RowPick::Masked(it.next().expect("one per sampled row"), mask),
+                Some(Some(slot)) => RowPick::Masked(it.next().expect("one per sampled row"), slot),
                 None => RowPick::Logits,
             })
             .collect();
-        // A panic in a backend is a bug, but it fails this step's requests, not the
-        // engine and every request after them.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            runner.forward(&batch, &mut picks)
-        }))
-        .unwrap_or_else(|_| Err("internal error in the forward pass".to_string()));
+        let result = std::thread::scope(|scope| {
+            if !constrained.is_empty() {
+                let (constrained, slots) = (&mut constrained, &slots);
+                scope.spawn(move || compute_masks(constrained, slots));
+            }
+            // A panic in a backend is a bug, but it fails this step's requests, not the
+            // engine and every request after them.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                runner.forward(&batch, &mut picks)
+            }))
+            .unwrap_or_else(|_| Err("internal error in the forward pass".to_string()))
+        });
         drop(picks);
+        // Every mask is in its slot now (the thread is joined).
+        let masks: HashMap<SeqId, Result<&[u32], &str>> = slot_of
+            .iter()
+            .map(|(&id, slot)| (id, slot.result()))
+            .collect();
+        for (id, c) in constrained {
+            if let Some(l) = live.get_mut(&id) {
+                l.request.params.constraint = Some(c);
+            }
+        }
         let mut samplers = samplers.into_iter();
         for s in &step.seqs {
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
@@ -197,7 +213,7 @@ pub(super) fn run(
                     fail(&mut sched, &mut live, s.id, &why);
                     continue;
                 }
-                Some(Ok(m)) => Some(m.as_slice()),
+                Some(Ok(m)) => Some(*m),
                 None => None,
             };
             match sample(tok, l, last, mask, &mut sched, s.id) {
@@ -269,14 +285,10 @@ fn top_logprobs(row: &[f32], n: usize) -> Vec<(u32, f32)> {
     idx.iter().map(|&i| (i, log_softmax_at(row, i))).collect()
 }
 
-/// The masks of the step's constrained sequences that sample: computed in parallel on
-/// rayon's threads (a mask takes from tens of microseconds to a few milliseconds).
-fn constraint_masks(
-    step: &Step,
-    live: &mut HashMap<SeqId, Live>,
-) -> HashMap<SeqId, Result<Vec<u32>, String>> {
-    let mut taken: Vec<(SeqId, Constraint)> = step
-        .seqs
+/// The constraints of the step's sequences that sample, out of their sequences for the
+/// step.
+fn take_constraints(step: &Step, live: &mut HashMap<SeqId, Live>) -> Vec<(SeqId, Constraint)> {
+    step.seqs
         .iter()
         .filter(|s| s.logits)
         .filter_map(|s| {
@@ -286,20 +298,26 @@ fn constraint_masks(
             }
             l.request.params.constraint.take().map(|c| (s.id, c))
         })
-        .collect();
-    let masks: Vec<Result<Vec<u32>, String>> = if taken.len() > 1 {
-        taken.par_iter_mut().map(|(_, c)| c.mask()).collect()
-    } else {
-        taken.iter_mut().map(|(_, c)| c.mask()).collect()
+        .collect()
+}
+
+/// Each constraint's mask into its slot, in parallel on rayon's threads (a mask takes from
+/// tens of microseconds to a few milliseconds). Every slot is filled, a panic included
+/// (the runner waits on them).
+fn compute_masks(constrained: &mut [(SeqId, Constraint)], slots: &[MaskSlot]) {
+    let one = |c: &mut Constraint, slot: &MaskSlot| {
+        let m = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.mask()))
+            .unwrap_or_else(|_| Err("internal error computing the mask".into()));
+        slot.set(m);
     };
-    let mut out = HashMap::with_capacity(masks.len());
-    for ((id, c), m) in taken.into_iter().zip(masks) {
-        if let Some(l) = live.get_mut(&id) {
-            l.request.params.constraint = Some(c);
-        }
-        out.insert(id, m);
+    if constrained.len() == 1 {
+        one(&mut constrained[0].1, &slots[0]);
+    } else {
+        constrained
+            .par_iter_mut()
+            .zip(slots)
+            .for_each(|((_, c), slot)| one(c, slot));
     }
-    out
 }
 
 /// Takes the next token of a sequence (sampled by the runner, or here from its logits,

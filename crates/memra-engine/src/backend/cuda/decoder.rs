@@ -447,13 +447,17 @@ impl GpuDecoder {
         };
         // A constrained row's mask goes to the device and sets the logits it bans to minus
         // infinity before the pick, so a greedy pick done with the step is of no use.
+        // The mask may still be being computed on the host: this waits for it.
         let (sampler, mask) = match pick {
             RowPick::Logits => return Ok(RowOut::Logits(host_row(self)?)),
             RowPick::Greedy => (None, None),
             RowPick::Sample(s) if s.is_plain_greedy() => (None, None),
             RowPick::Sample(s) => (Some(s), None),
-            RowPick::Masked(s, m) if s.is_plain_greedy() => (None, Some(*m)),
-            RowPick::Masked(s, m) => (Some(s), Some(*m)),
+            RowPick::Masked(s, slot) => match slot.wait() {
+                None => return Ok(RowOut::Logits(host_row(self)?)),
+                Some(m) if s.is_plain_greedy() => (None, Some(m)),
+                Some(m) => (Some(s), Some(m)),
+            },
         };
         let first_best = match logits {
             Logits::Host(h) => {
