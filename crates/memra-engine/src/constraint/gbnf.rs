@@ -64,7 +64,12 @@ pub fn to_lark(src: &str) -> Result<String, String> {
             match &toks[i] {
                 Tok::Name(r) => out.push_str(&lark_name(r)),
                 Tok::Str(s) if s.is_empty() => out.push_str("\"\""),
-                Tok::Str(s) => out.push_str(&serde_json::to_string(s).expect("a string")),
+                // Lark's strings are JSON's, less a raw DEL (which JSON leaves unescaped).
+                Tok::Str(s) => out.push_str(
+                    &serde_json::to_string(s)
+                        .expect("a string")
+                        .replace('\u{7f}', "\\u007f"),
+                ),
                 Tok::Class(c) => {
                     out.push('/');
                     out.push_str(c);

@@ -224,6 +224,26 @@ fn bad_grammars_are_errors_naming_the_problem() {
     assert!(!e.is_empty());
 }
 
+/// GBNF's other pieces compile and mean what they say: `.`, escapes in strings and
+/// classes, negated classes, `{m,n}` and empty strings.
+#[test]
+fn gbnf_features_compile_and_match() {
+    let grammars = Grammars::new(&test_vocab()).unwrap();
+    let g = Grammar::Gbnf(
+        "root ::= \"\\x41\" [^\\n\\]] . \"\" [\\x30-\\x39]{2,3} (\"\\\"\" | \"\\u00e9\")\n".into(),
+    );
+    let mut c = grammars.compile(&g).unwrap();
+    assert!(feed(&mut c, "Ab\n12\""));
+    assert!(c.is_finished());
+    let mut c = grammars.compile(&g).unwrap();
+    assert!(feed(&mut c, "A?x123é"));
+    assert!(c.is_finished());
+    for bad in ["B", "A\n", "A]", "Ab\n1\"", "Ab\n1234"] {
+        let mut c = grammars.compile(&g).unwrap();
+        assert!(!feed(&mut c, bad) || !c.is_finished(), "{bad:?}");
+    }
+}
+
 #[test]
 fn masks_ban_what_they_do_not_allow() {
     let mut logits = vec![1.0f32; 70];
