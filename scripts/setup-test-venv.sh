@@ -5,7 +5,7 @@
 set -euo pipefail
 venv=${MEMRA_VENV:-$HOME/.cache/memra/venv}
 py=${PYTHON:-python3}
-pins="openai==3.57.0 httpx==0.28.1 pytest==9.2.0"
+pins="openai==3.57.0 httpx==0.28.1 pytest==9.2.0 jsonschema==4.26.0"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.memra-pins" 2>/dev/null)" != "$pins" ]; then
   rm -rf "$venv"
   "$py" -m venv "$venv" >&2

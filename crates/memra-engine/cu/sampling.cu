@@ -59,6 +59,19 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const 
     if (threadIdx.x == 0) *out = at == 0x7fffffff ? 0 : at;
 }
 
+// A grammar's token mask (constrained decoding), one thread per logit: logits whose bit is
+// clear are set to -inf (token t: bit t % 32 of word t / 32; tokens at or past 32 * n_words
+// are banned), as `constraint::apply_mask` does on the host, before argmax or sampling.
+extern "C" __global__ void apply_token_mask(float* __restrict__ logits, int n, const uint32_t* __restrict__ mask,
+                                            int n_words) {
+    PDL_WAIT();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int w = i / 32;
+    const bool allowed = w < n_words && ((mask[w] >> (i % 32)) & 1u);
+    if (!allowed) logits[i] = -INFINITY;
+}
+
 // Bias and penalties, one thread per token id the host lists (each id once): logit += bias,
 // then for ids seen `count` > 0 times among the recent tokens, positive logits divided by
 // `repeat`, others multiplied, and count * freq + presence taken off (the CPU's order).

@@ -3,6 +3,7 @@
 //! plan; a backend reads it as it is (the GPU copies the arrays into device buffers of
 //! fixed size, so a step of a given shape replays one graph).
 
+use crate::constraint::MaskSlot;
 use crate::kv::BlockId;
 use crate::sampler::Sampler;
 
@@ -13,6 +14,12 @@ pub enum RowPick<'a> {
     /// The most likely token.
     Greedy,
     Sample(&'a mut Sampler),
+    /// Sample among the tokens the mask allows only (a grammar's: bit `t % 32` of word
+    /// `t / 32` set for an allowed token `t`, tokens past the mask not allowed): the other
+    /// logits are minus infinity before the sampler sees them. The mask may still be being
+    /// computed: wait for it only when picking the row; a mask that failed makes the row
+    /// come back as logits.
+    Masked(&'a mut Sampler, &'a MaskSlot),
     Logits,
 }
 

@@ -1,9 +1,10 @@
 //! memra-engine: the model runtime: tokenizers and chat templates, model architectures,
-//! the CPU backend, the serving engine (paged KV, scheduler, batches), sampling, generation
+//! the CPU backend, the serving engine (paged KV, scheduler, batches), sampling and constrained decoding, generation
 //! and perplexity, and model synthesis for benchmarks.
 
 pub mod backend;
 pub mod batch;
+pub mod constraint;
 pub mod engine;
 pub mod generate;
 pub mod kv;

@@ -418,3 +418,80 @@ fn stats_show_running_sequences_and_their_blocks_then_free_ones() {
     }
     assert_eq!(e.stats().waiting, 0);
 }
+
+/// Constrained sequences batched with plain ones: greedy, sampled, and sampled here from
+/// logits (log-probabilities asked), each ends by the grammar (a bounded schema) with JSON
+/// that matches it, while the plain sequences give the tokens they give alone.
+#[test]
+fn constrained_sequences_match_their_schema_beside_plain_ones() {
+    use memra_engine::constraint::Grammar;
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let e = engine(&model, 4096, 8, 64);
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["color", "n", "ok"],
+        "additionalProperties": false,
+    });
+    let ps = prompts(&model);
+    let mut reqs = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        let mut r = request(p, 60, greedy_config());
+        if i % 2 == 0 {
+            r.params.constraint = Some(
+                e.compile_grammar(&Grammar::JsonSchema(schema.clone()))
+                    .unwrap(),
+            );
+            r.params.sampler = SamplerConfig {
+                temperature: [0.0, 0.9, 1.5][i / 2 % 3],
+                seed: i as u64,
+                ..SamplerConfig::default()
+            };
+            r.params.logprobs = (i == 4).then_some(2);
+        }
+        reqs.push(r);
+    }
+    let out = run_all(&e, &reqs);
+    for (i, ((ids, usage), p)) in out.iter().zip(&ps).enumerate() {
+        if i % 2 == 1 {
+            assert_eq!(ids, &alone(&model, p, 60), "plain prompt {i}");
+            continue;
+        }
+        let text = model.tokenizer.decode_lossy(ids, false).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("prompt {i}: {text:?} is not JSON: {e}"));
+        let color = v["color"].as_str().unwrap_or_default();
+        assert!(
+            ["red", "green", "blue"].contains(&color),
+            "prompt {i}: {text}"
+        );
+        assert!(
+            v["n"].as_u64().is_some_and(|n| n <= 9),
+            "prompt {i}: {text}"
+        );
+        assert!(v["ok"].is_boolean(), "prompt {i}: {text}");
+        assert_eq!(v.as_object().unwrap().len(), 3, "prompt {i}: {text}");
+        assert!(
+            usage.completion_tokens < 60,
+            "prompt {i}: ended by the grammar"
+        );
+    }
+    // The finish reason of a completed grammar is the end of generation.
+    let mut r = request(&ps[0], 60, greedy_config());
+    r.params.constraint = Some(e.compile_grammar(&Grammar::JsonSchema(schema)).unwrap());
+    let last = e.submit(r).unwrap().last().unwrap();
+    assert!(
+        matches!(
+            last,
+            Event::Finished {
+                reason: FinishReason::EndOfGeneration,
+                ..
+            }
+        ),
+        "{last:?}"
+    );
+}

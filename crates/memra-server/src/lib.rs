@@ -12,6 +12,8 @@ pub mod error;
 pub mod metrics;
 mod openai;
 pub mod params;
+mod structured;
+pub mod tools;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -52,6 +54,8 @@ pub struct ServerConfig {
     pub grace: Duration,
     /// Request bodies larger than this are refused (413).
     pub body_limit: usize,
+    /// How the model writes tool calls, instead of what its chat template says.
+    pub tool_format: Option<tools::ToolFormat>,
 }
 
 /// Loads the model and starts the engine (on a blocking thread, while the server already
@@ -64,6 +68,11 @@ struct Ready {
     template: ChatTemplate,
     bos: String,
     eos: String,
+    /// How the model writes tool calls.
+    tool_format: tools::ToolFormat,
+    /// Whether the chat template renders `tools` itself (else the server describes them
+    /// in a system message).
+    template_has_tools: bool,
     /// Unix time the model became ready (`created` of `/v1/models`).
     created: u64,
 }
@@ -144,6 +153,7 @@ async fn serve(config: ServerConfig, load: Loader) -> Result<()> {
     tracing::info!("listening on http://{addr} (model {})", config.model_id);
     let grace = config.grace;
     let template_choice = config.chat_template.clone();
+    let tool_format = config.tool_format;
     let state = Arc::new(AppState {
         config,
         ready: OnceLock::new(),
@@ -167,7 +177,7 @@ async fn serve(config: ServerConfig, load: Loader) -> Result<()> {
         let state = state.clone();
         tokio::task::spawn_blocking(move || -> Result<()> {
             let engine = load()?;
-            let ready = make_ready(engine, template_choice.as_deref())?;
+            let ready = make_ready(engine, template_choice.as_deref(), tool_format)?;
             let info = ready.engine.info();
             tracing::info!(
                 "ready: {} sequences at once, context {}, KV pool {} positions ({} blocks of {})",
@@ -206,7 +216,11 @@ async fn serve(config: ServerConfig, load: Loader) -> Result<()> {
     Ok(())
 }
 
-fn make_ready(engine: Engine, choice: Option<&str>) -> Result<Ready> {
+fn make_ready(
+    engine: Engine,
+    choice: Option<&str>,
+    tool_format: Option<tools::ToolFormat>,
+) -> Result<Ready> {
     let model = engine.model().clone();
     let template = match ChatTemplate::select(&model.file.metadata, choice) {
         Ok(t) => t,
@@ -219,9 +233,13 @@ fn make_ready(engine: Engine, choice: Option<&str>) -> Result<Ready> {
     };
     let t = &model.tokenizer;
     let token = |id: Option<u32>| id.and_then(|i| t.token_text(i)).unwrap_or("").to_string();
+    let tool_format = tool_format.unwrap_or_else(|| tools::ToolFormat::detect(template.source()));
+    tracing::info!("tool calls in the {} format", tool_format.name());
     Ok(Ready {
         bos: token(t.bos),
         eos: token(t.eos),
+        tool_format,
+        template_has_tools: template.source().contains("tools"),
         engine: Arc::new(engine),
         template,
         created: unix_time(),

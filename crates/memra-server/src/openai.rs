@@ -15,6 +15,7 @@ use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use memra_engine::constraint::{Constraint, Grammar};
 use memra_engine::engine::{
     Engine, Event, FinishReason, GenerationParams, Request, TokenEvent, Usage,
 };
@@ -27,6 +28,8 @@ use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::params::{self, Endpoint, Fields, Prompt};
+use crate::structured::{self, OutputGrammar, ToolChoice, ToolRequest};
+use crate::tools::{self, Tool, ToolFormat};
 use crate::{json_body, request_id_header, unix_time, unix_time_micros, AppState, Ready};
 
 pub(crate) async fn chat(
@@ -59,6 +62,21 @@ struct Job {
     stream: bool,
     include_usage: bool,
     logprobs: Option<usize>,
+    /// Chat with tools the model may call: how to find the calls in its output.
+    tools: Option<ToolParse>,
+}
+
+/// How a chat request's output is searched for tool calls.
+struct ToolParse {
+    format: ToolFormat,
+    tools: Vec<Tool>,
+    parallel: bool,
+}
+
+impl ToolParse {
+    fn parse(&self, text: &str) -> tools::Parsed {
+        tools::parse(self.format, text, &self.tools, self.parallel)
+    }
 }
 
 async fn handle(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, ep: Endpoint) -> Response {
@@ -109,19 +127,28 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
     let f = Fields::of(v)?;
     let tok = &r.engine.model().tokenizer;
     let c = params::common(&f, ep, tok.n_vocab())?;
+    let output = structured::output_grammar(&f)?;
+    let mut tool_req: Option<ToolRequest> = None;
     let encode = |text: &str, add_bos: bool, field: &str| {
         tok.encode(text, add_bos, true)
             .map_err(|e| ApiError::invalid(field, e.to_string()))
     };
     let (prompts, echo, field) = match ep {
         Endpoint::Chat => {
-            let messages = params::messages(&f)?;
-            let tools = params::tools(&f)?;
+            let mut messages = params::messages(&f)?;
+            // With `tool_choice: none` the model is not told of the tools.
+            tool_req = structured::tools(&f)?.filter(|t| t.choice != ToolChoice::None);
+            if let Some(t) = &tool_req {
+                if !r.template_has_tools {
+                    let prompt = tools::json_format_prompt(&t.raw, t.parallel);
+                    add_system_text(&mut messages, &prompt);
+                }
+            }
             let text = r
                 .template
                 .render(&ChatInput {
                     messages: &messages,
-                    tools: tools.as_ref(),
+                    tools: tool_req.as_ref().map(|t| &t.raw),
                     add_generation_prompt: true,
                     bos_token: &r.bos,
                     eos_token: &r.eos,
@@ -159,6 +186,7 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
             (ids, if echo { texts } else { Vec::new() }, "prompt")
         }
     };
+    let constraint = constraint(r, output.as_ref(), tool_req.as_ref())?;
     let info = r.engine.info();
     let mut choices = Vec::with_capacity(prompts.len() * c.n);
     let mut prompt_of = Vec::with_capacity(choices.capacity());
@@ -192,6 +220,7 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
                     ignore_eos: c.ignore_eos,
                     logprobs: c.logprobs,
                     score_from: None,
+                    constraint: constraint.clone(),
                 },
             };
             r.engine
@@ -216,7 +245,72 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
         stream: c.stream,
         include_usage: c.include_usage,
         logprobs: c.logprobs,
+        tools: tool_req.map(|t| ToolParse {
+            format: r.tool_format,
+            tools: t.tools,
+            parallel: t.parallel,
+        }),
     })
+}
+
+/// `text` as the conversation's first system message (or added to it).
+fn add_system_text(messages: &mut Value, text: &str) {
+    let Value::Array(list) = messages else {
+        return;
+    };
+    match list.first_mut() {
+        Some(m) if m["role"] == "system" => {
+            let content = m["content"].as_str().unwrap_or_default();
+            m["content"] = json!(format!("{content}\n\n{text}"));
+        }
+        _ => list.insert(0, json!({"role": "system", "content": text})),
+    }
+}
+
+/// The request's grammar, compiled (within llguidance's limits, so a hostile one is a
+/// 400, not a hang): the output format's, or the tool call's that `tool_choice` requires.
+fn constraint(
+    r: &Ready,
+    output: Option<&OutputGrammar>,
+    tool_req: Option<&ToolRequest>,
+) -> Result<Option<Constraint>, ApiError> {
+    let forced = tool_req.and_then(|t| match &t.choice {
+        ToolChoice::Required => Some(None),
+        ToolChoice::Function(name) => Some(Some(name.as_str())),
+        _ => None,
+    });
+    let (grammar, field, what) = match (output, forced) {
+        (Some(o), Some(_)) => {
+            return Err(ApiError::invalid(
+                o.field,
+                format!(
+                    "'{}' cannot be combined with a required tool call ('tool_choice')",
+                    o.field
+                ),
+            ))
+        }
+        (Some(o), None) => {
+            let what = match &o.grammar {
+                Grammar::JsonObject | Grammar::JsonSchema(_) => "the JSON schema",
+                Grammar::Lark(_) => "the Lark grammar",
+                Grammar::Gbnf(_) => "the GBNF grammar",
+            };
+            (o.grammar.clone(), o.field, what)
+        }
+        (None, Some(only)) => {
+            let t = tool_req.expect("a forced call has tools");
+            let g = tools::grammar(r.tool_format, &t.tools, only, t.parallel);
+            (g, "tools", "the tools' parameters")
+        }
+        (None, None) => return Ok(None),
+    };
+    r.engine
+        .compile_grammar(&grammar)
+        .map(Some)
+        .map_err(|e| ApiError {
+            code: Some("invalid_grammar"),
+            ..ApiError::invalid(field, format!("{what} cannot be used: {e}"))
+        })
 }
 
 /// A seed for a request that gives none (splitmix64 over the clock and a counter).
@@ -476,12 +570,31 @@ async fn collect(
         .iter()
         .enumerate()
         .map(|(i, o)| match job.endpoint {
-            Endpoint::Chat => json!({
-                "index": i,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": job.logprobs.map(|_| chat_logprobs(model, &o.tokens)),
-                "finish_reason": finish(o),
-            }),
+            Endpoint::Chat => {
+                let parsed = job.tools.as_ref().map(|t| t.parse(&o.text));
+                match parsed.filter(|p| !p.calls.is_empty()) {
+                    Some(p) => json!({
+                        "index": i,
+                        "message": {
+                            "role": "assistant",
+                            "content": p.content,
+                            "tool_calls": p.calls.iter().map(|c| json!({
+                                "id": tools::call_id(),
+                                "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments_json()},
+                            })).collect::<Vec<_>>(),
+                        },
+                        "logprobs": job.logprobs.map(|_| chat_logprobs(model, &o.tokens)),
+                        "finish_reason": "tool_calls",
+                    }),
+                    None => json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": o.text},
+                        "logprobs": job.logprobs.map(|_| chat_logprobs(model, &o.tokens)),
+                        "finish_reason": finish(o),
+                    }),
+                }
+            }
             Endpoint::Completions => {
                 let echo = job
                     .echo
@@ -527,8 +640,24 @@ struct Streamer {
     usages: Vec<Usage>,
     /// Completions' logprob text offsets, per choice.
     offsets: Vec<usize>,
+    /// With tools, per choice: the text so far and how much of it went out as content.
+    calls: Vec<CallStream>,
     done: bool,
 }
+
+/// A choice's text while it may hold tool calls: what may start one waits for the end,
+/// where the whole text is parsed as a non-streamed response's is (so both give the same
+/// calls), and the calls go out as OpenAI streams them.
+#[derive(Default)]
+struct CallStream {
+    text: String,
+    sent: usize,
+    /// A call has started: everything from `sent` on waits for the end.
+    in_call: bool,
+}
+
+/// Pieces of a call's arguments per chunk (OpenAI streams them in pieces).
+const ARGUMENT_PIECE_CHARS: usize = 16;
 
 impl Streamer {
     fn chunk(&self, choices: Vec<Value>) -> SseEvent {
@@ -593,8 +722,83 @@ impl Streamer {
         }
     }
 
+    /// Text of choice `i` that can go out as content now (none may start a tool call).
+    fn releasable(&mut self, i: usize, text: &str) -> String {
+        let Some(tp) = &self.job.tools else {
+            return text.to_string();
+        };
+        let cs = &mut self.calls[i];
+        cs.text.push_str(text);
+        if cs.in_call {
+            return String::new();
+        }
+        let pending = &cs.text[cs.sent..];
+        let start = tools::call_start(tp.format, pending, cs.sent == 0);
+        let k = start.unwrap_or(pending.len());
+        let out = pending[..k].to_string();
+        // A Hermes block that has begun holds everything after it; a partial marker, or a
+        // reply that may be a JSON call, waits for more text.
+        cs.in_call = tp.format == ToolFormat::Hermes && pending[k..].starts_with("<tool_call>");
+        cs.sent += k;
+        out
+    }
+
+    /// The end of choice `i` with tools: the held text parsed; the calls, or the text.
+    fn finish_calls(&mut self, i: usize, text: &str) -> Option<&'static str> {
+        let tp = self.job.tools.as_ref()?;
+        let cs = &mut self.calls[i];
+        cs.text.push_str(text);
+        let parsed = tp.parse(&cs.text);
+        if parsed.calls.is_empty() {
+            let rest = cs.text[cs.sent..].to_string();
+            cs.sent = cs.text.len();
+            if !rest.is_empty() {
+                let c = self.piece(i, &rest, &[]);
+                let ev = self.chunk(vec![c]);
+                self.queue.push_back(ev);
+            }
+            return None;
+        }
+        for (j, call) in parsed.calls.iter().enumerate() {
+            let first = json!({
+                "index": i,
+                "delta": {"tool_calls": [{
+                    "index": j, "id": tools::call_id(), "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }]},
+                "logprobs": null,
+                "finish_reason": null,
+            });
+            let ev = self.chunk(vec![first]);
+            self.queue.push_back(ev);
+            let args: Vec<char> = call.arguments_json().chars().collect();
+            for piece in args.chunks(ARGUMENT_PIECE_CHARS) {
+                let c = json!({
+                    "index": i,
+                    "delta": {"tool_calls": [{
+                        "index": j, "function": {"arguments": piece.iter().collect::<String>()},
+                    }]},
+                    "logprobs": null,
+                    "finish_reason": null,
+                });
+                let ev = self.chunk(vec![c]);
+                self.queue.push_back(ev);
+            }
+        }
+        Some("tool_calls")
+    }
+
     fn on_event(&mut self, i: usize, e: Event) {
         match e {
+            Event::Token(t) if self.job.tools.is_some() => {
+                // Log-probabilities are not streamed while tool calls may come.
+                let text = self.releasable(i, &t.text);
+                if !text.is_empty() {
+                    let c = self.piece(i, &text, &[]);
+                    let ev = self.chunk(vec![c]);
+                    self.queue.push_back(ev);
+                }
+            }
             Event::Token(t) => {
                 if t.text.is_empty() && self.job.logprobs.is_none() {
                     return;
@@ -609,7 +813,12 @@ impl Streamer {
                 text,
                 usage,
             } => {
-                if !text.is_empty() {
+                let mut why = finish_reason(reason);
+                if self.job.tools.is_some() {
+                    if let Some(w) = self.finish_calls(i, &text) {
+                        why = w;
+                    }
+                } else if !text.is_empty() {
                     let c = self.piece(i, &text, &[]);
                     let ev = self.chunk(vec![c]);
                     self.queue.push_back(ev);
@@ -617,7 +826,7 @@ impl Streamer {
                 let last = match self.job.endpoint {
                     Endpoint::Chat => json!({
                         "index": i, "delta": {}, "logprobs": null,
-                        "finish_reason": finish_reason(reason),
+                        "finish_reason": why,
                     }),
                     Endpoint::Completions => json!({
                         "index": i, "text": "", "logprobs": null,
@@ -683,6 +892,7 @@ fn stream(job: Job, rx: Events, guard: Inflight, model: Arc<Model>) -> Response 
         left: n,
         usages: vec![Usage::default(); n],
         offsets: vec![0; n],
+        calls: (0..n).map(|_| CallStream::default()).collect(),
         done: false,
     };
     s.start();

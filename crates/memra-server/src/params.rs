@@ -322,18 +322,24 @@ pub fn messages(f: &Fields) -> Result<Value, ApiError> {
                 msg[key] = v.clone();
             }
         }
+        // OpenAI sends a call's arguments as a JSON string; templates (Qwen's, Llama's)
+        // write them with `tojson`, as transformers' callers pass them: as an object.
+        if let Some(Value::Array(calls)) = msg.get_mut("tool_calls") {
+            for c in calls {
+                let args = c.get_mut("function").and_then(|f| f.get_mut("arguments"));
+                if let Some(a) = args {
+                    if let Some(v) = a
+                        .as_str()
+                        .and_then(|s| serde_json::from_str::<Value>(s).ok())
+                    {
+                        *a = v;
+                    }
+                }
+            }
+        }
         out.push(msg);
     }
     Ok(Value::Array(out))
-}
-
-/// Tool definitions, passed to the chat template as they are.
-pub fn tools(f: &Fields) -> Result<Option<Value>, ApiError> {
-    match f.get("tools") {
-        None => Ok(None),
-        Some(v @ Value::Array(_)) => Ok(Some(v.clone())),
-        Some(_) => Err(type_error("tools", "an array")),
-    }
 }
 
 /// One prompt of a completion request.
@@ -527,6 +533,11 @@ mod tests {
             "messages",
             "prompt",
             "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "response_format",
+            "grammar",
+            "json_schema",
             "echo",
         ];
         for field in fields {
@@ -543,7 +554,8 @@ mod tests {
                 }
                 let _ = messages(&f);
                 let _ = prompts(&f);
-                let _ = tools(&f);
+                let _ = crate::structured::tools(&f);
+                let _ = crate::structured::output_grammar(&f);
             }
         }
         for body in [json!(null), json!([]), json!("x"), json!(1)] {

@@ -5,11 +5,16 @@
 //! has its first token (the prompts computed), T_TG the time for TG more steps of B tokens
 //! each (every sequence feeds TG tokens: N_KV = B x (PP + TG) positions in all). Greedy,
 //! end-of-generation tokens ignored.
+//!
+//! With `--json-schema FILE --constrained-frac F`, the first F x B sequences of each row
+//! are constrained to the schema (the grammar masks' cost): they end when their JSON is
+//! complete, so S_TG counts the tokens generated rather than B x TG.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use memra_engine::constraint::{Constraint, Grammar};
 use memra_engine::engine::{Engine, Event, GenerationParams, Request};
 use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
@@ -23,6 +28,8 @@ pub struct BatchedArgs {
     pub npl: Vec<usize>,
     pub shared_prefix: usize,
     pub format: Format,
+    /// A grammar for a fraction of each row's sequences.
+    pub constrained: Option<(Grammar, f64)>,
 }
 
 struct Row {
@@ -32,6 +39,9 @@ struct Row {
     t_pp: f64,
     t_tg: f64,
     cached: usize,
+    /// Tokens generated after each sequence's first (B x TG unless some ended early).
+    generated: usize,
+    constrained: usize,
 }
 
 impl Row {
@@ -42,25 +52,33 @@ impl Row {
         (self.b * self.pp) as f64 / self.t_pp
     }
     fn s_tg(&self) -> f64 {
-        (self.b * self.tg) as f64 / self.t_tg
+        self.generated as f64 / self.t_tg
     }
     fn t(&self) -> f64 {
         self.t_pp + self.t_tg
     }
 }
 
-/// One row: B requests at once; returns the timings.
+/// One row: B requests (of PP prompt tokens, TG generated) at once; returns the timings.
 fn measure(
     engine: &Engine,
     model: &Model,
-    pp: usize,
-    tg: usize,
-    b: usize,
+    (pp, tg, b): (usize, usize, usize),
     shared: usize,
     seed: u64,
+    constrained: Option<&(Constraint, f64)>,
 ) -> Result<Row> {
     let nv = model.decoder.hp.n_vocab;
     let prefix = tokens(shared.min(pp), nv, seed);
+    // The constrained sequences' grammars, copied before the clock starts.
+    let n_constrained = constrained.map_or(0, |(_, f)| ((b as f64 * f).round() as usize).min(b));
+    let mut grammars: Vec<Option<Constraint>> = (0..b)
+        .map(|i| {
+            constrained
+                .filter(|_| i < n_constrained)
+                .map(|(c, _)| c.clone())
+        })
+        .collect();
     let start = Instant::now();
     let handles = (0..b)
         .map(|i| {
@@ -76,17 +94,18 @@ fn measure(
                         temperature: 0.0,
                         ..SamplerConfig::default()
                     },
+                    constraint: grammars[i].take(),
                     ..GenerationParams::default()
                 },
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
     // Each request's events in its own thread, so that arrival times are taken as they come.
-    let results: Vec<(Duration, Duration, usize)> = std::thread::scope(|scope| {
+    let results: Vec<(Duration, Duration, usize, usize)> = std::thread::scope(|scope| {
         let joins: Vec<_> = handles
             .into_iter()
             .map(|h| {
-                scope.spawn(move || -> Result<(Duration, Duration, usize)> {
+                scope.spawn(move || -> Result<(Duration, Duration, usize, usize)> {
                     let mut first = None;
                     for ev in h {
                         match ev {
@@ -95,7 +114,8 @@ fn measure(
                             }
                             Event::Finished { usage, .. } => {
                                 let end = start.elapsed();
-                                return Ok((first.unwrap_or(end), end, usage.cached_tokens));
+                                let tg = usage.completion_tokens.saturating_sub(1);
+                                return Ok((first.unwrap_or(end), end, usage.cached_tokens, tg));
                             }
                             Event::Error(e) => bail!("{e}"),
                             Event::PromptScores(_) => {}
@@ -119,6 +139,8 @@ fn measure(
         t_pp: t_pp.as_secs_f64(),
         t_tg: (t_end - t_pp).as_secs_f64().max(1e-9),
         cached: results.iter().map(|r| r.2).sum(),
+        generated: results.iter().map(|r| r.3).sum(),
+        constrained: n_constrained,
     })
 }
 
@@ -157,17 +179,42 @@ pub fn run(model_args: &ModelArgs, a: &BatchedArgs) -> Result<()> {
         max_b,
         DefaultPool::GpuFraction(0.9),
     )?;
+    let constrained = match &a.constrained {
+        Some((g, frac)) if (0.0..=1.0).contains(frac) => Some((
+            engine
+                .compile_grammar(g)
+                .map_err(|e| anyhow::anyhow!("cannot use the JSON schema: {e}"))?,
+            *frac,
+        )),
+        Some(_) => bail!("--constrained-frac must be within [0, 1]"),
+        None => None,
+    };
     // Warm-up (llama-batched-bench decodes once first): loads pages, kernels, graphs.
-    measure(&engine, &model, max_pp.min(16), 2, 1, 0, 7)?;
+    measure(&engine, &model, (max_pp.min(16), 2, 1), 0, 7, None)?;
     for &pp in &a.npp {
         for &tg in &a.ntg {
             for &b in &a.npl {
                 let seed = 1000 * (b * 7919 + pp * 31 + tg) as u64;
-                let row = measure(&engine, &model, pp, tg, b, a.shared_prefix, seed)?;
+                let row = measure(
+                    &engine,
+                    &model,
+                    (pp, tg, b),
+                    a.shared_prefix,
+                    seed,
+                    constrained.as_ref(),
+                )?;
                 eprintln!(
                     "B {b}: {:.3} s prompts, {:.3} s generation, {} prompt tokens from the prefix cache",
                     row.t_pp, row.t_tg, row.cached
                 );
+                if row.constrained > 0 {
+                    eprintln!(
+                        "B {b}: {} sequences constrained; {} tokens generated after the first (of {})",
+                        row.constrained,
+                        row.generated,
+                        row.b * row.tg
+                    );
+                }
                 if a.format == Format::Md {
                     println!(
                         "| {:5} | {:6} | {:4} | {:6} | {:8.3} | {:8.2} | {:8.3} | {:8.2} | {:8.3} | {:8.2} |",
@@ -197,6 +244,7 @@ pub fn run(model_args: &ModelArgs, a: &BatchedArgs) -> Result<()> {
                     "pp": r.pp, "tg": r.tg, "pl": r.b, "n_kv": r.n_kv(),
                     "t_pp": r.t_pp, "speed_pp": r.s_pp(), "t_tg": r.t_tg, "speed_tg": r.s_tg(),
                     "t": r.t(), "speed": r.n_kv() as f64 / r.t(), "cached_prompt_tokens": r.cached,
+                    "constrained": r.constrained, "generated": r.generated,
                 })
             );
         }

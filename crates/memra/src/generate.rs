@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use memra_engine::backend::cuda::decoder::{F16Weights, GpuDecoder, GpuOptions, PoolSize};
+use memra_engine::constraint::{Constraint, Grammar};
 use memra_engine::engine::{
     BatchRunner, CpuBatchRunner, Engine, EngineConfig, Event, FinishReason, GenerationParams,
     GpuBatchRunner, Request,
@@ -323,6 +324,7 @@ fn engine_generate(
     engine: &Engine,
     prompt: Vec<u32>,
     config: &GenerateConfig,
+    constraint: Option<Constraint>,
     mut on_text: impl FnMut(&str),
 ) -> Result<(GenerateStats, usize)> {
     let prompt_tokens = prompt.len();
@@ -333,6 +335,7 @@ fn engine_generate(
             max_tokens: config.n_predict,
             sampler: config.sampler.clone(),
             stop: config.stop.clone(),
+            constraint,
             ..GenerationParams::default()
         },
     })?;
@@ -395,11 +398,35 @@ pub fn read_prompt(prompt: Option<&str>, file: Option<&Path>) -> Result<String> 
     }
 }
 
+/// The grammar of `run --json-schema FILE` or `--grammar FILE` (GBNF when it defines
+/// rules with `::=`, else Lark).
+pub fn read_grammar(json_schema: Option<&Path>, grammar: Option<&Path>) -> Result<Option<Grammar>> {
+    let read = |f: &Path| {
+        std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))
+    };
+    Ok(match (json_schema, grammar) {
+        (Some(f), _) => {
+            let v: serde_json::Value = serde_json::from_str(&read(f)?)
+                .with_context(|| format!("{} is not JSON", f.display()))?;
+            Some(Grammar::JsonSchema(v))
+        }
+        (None, Some(f)) => {
+            let text = read(f)?;
+            Some(match text.contains("::=") {
+                true => Grammar::Gbnf(text),
+                false => Grammar::Lark(text),
+            })
+        }
+        (None, None) => None,
+    })
+}
+
 pub fn run(
     args: &ModelArgs,
     sampling: &SamplingArgs,
     prompt: &str,
     n_predict: usize,
+    grammar: Option<Grammar>,
 ) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -423,7 +450,11 @@ pub fn run(
     };
     config.sampler.validate()?;
     let engine = start_engine(args, Arc::new(model), n_ctx, 1, DefaultPool::Contexts)?;
-    let (stats, cached) = engine_generate(&engine, ids, &config, print_flush)?;
+    let constraint = grammar
+        .map(|g| engine.compile_grammar(&g))
+        .transpose()
+        .context("cannot use the grammar")?;
+    let (stats, cached) = engine_generate(&engine, ids, &config, constraint, print_flush)?;
     end_output();
     let mut stats = stats;
     if stats.stop == StopReason::Length && stats.generated.len() < n_predict {
@@ -491,7 +522,7 @@ pub fn chat(
             sampler: sampling.config(),
         };
         let mut reply = String::new();
-        let (stats, cached) = engine_generate(&engine, ids, &config, |s| {
+        let (stats, cached) = engine_generate(&engine, ids, &config, None, |s| {
             reply.push_str(s);
             print_flush(s);
         })?;

@@ -44,6 +44,13 @@ enum Command {
         /// Tokens to generate.
         #[arg(short = 'n', long, default_value_t = 128)]
         n_predict: usize,
+        /// The output is JSON matching the JSON schema in FILE (it ends when complete).
+        #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+        json_schema: Option<PathBuf>,
+        /// The output matches the grammar in FILE: GBNF (llama.cpp's, rules with `::=`)
+        /// or llguidance's Lark.
+        #[arg(long, value_name = "FILE")]
+        grammar: Option<PathBuf>,
     },
     /// Chat interactively with the model's chat template; /exit quits.
     Chat {
@@ -124,6 +131,13 @@ enum Command {
         /// after the first computes them).
         #[arg(long, default_value_t = 0)]
         shared_prefix: usize,
+        /// --batched: constrain sequences to the JSON schema in FILE (the cost of the
+        /// masks; with --constrained-frac).
+        #[arg(long, value_name = "FILE")]
+        json_schema: Option<PathBuf>,
+        /// --batched: the fraction of each row's sequences --json-schema constrains.
+        #[arg(long, default_value_t = 0.5, requires = "json_schema")]
+        constrained_frac: f64,
     },
     /// Load on a running OpenAI-compatible server (`memra serve`, vLLM, llama-server),
     /// reported as vLLM's serving benchmark reports it (throughput, TTFT, TPOT, ITL). Spelled
@@ -243,8 +257,12 @@ fn main() -> ExitCode {
             prompt,
             file,
             n_predict,
-        } => generate::read_prompt(prompt.as_deref(), file.as_deref())
-            .and_then(|p| generate::run(&model, &sampling, &p, n_predict)),
+            json_schema,
+            grammar,
+        } => generate::read_prompt(prompt.as_deref(), file.as_deref()).and_then(|p| {
+            let g = generate::read_grammar(json_schema.as_deref(), grammar.as_deref())?;
+            generate::run(&model, &sampling, &p, n_predict, g)
+        }),
         Command::Chat {
             model,
             sampling,
@@ -267,17 +285,22 @@ fn main() -> ExitCode {
             ntg,
             npl,
             shared_prefix,
+            json_schema,
+            constrained_frac,
             ..
-        } => bench_batched::run(
-            &model,
-            &bench_batched::BatchedArgs {
-                npp,
-                ntg,
-                npl,
-                shared_prefix,
-                format: output,
-            },
-        ),
+        } => generate::read_grammar(json_schema.as_deref(), None).and_then(|g| {
+            bench_batched::run(
+                &model,
+                &bench_batched::BatchedArgs {
+                    npp,
+                    ntg,
+                    npl,
+                    shared_prefix,
+                    format: output,
+                    constrained: g.map(|g| (g, constrained_frac)),
+                },
+            )
+        }),
         Command::Bench {
             model,
             prompt,

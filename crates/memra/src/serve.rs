@@ -39,6 +39,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes (413 beyond).
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body: usize,
+    /// How the model writes tool calls: hermes (`<tool_call>` blocks: Qwen2.5, Hermes),
+    /// llama3 (JSON `{"name", "parameters"}`), json (a JSON object `{"name", "arguments"}`).
+    /// Default: what the chat template writes.
+    #[arg(long, value_parser = ["hermes", "llama3", "json"])]
+    pub tool_call_format: Option<String>,
 }
 
 pub fn run(model: ModelArgs, args: ServeArgs) -> Result<()> {
@@ -67,6 +72,10 @@ pub fn run(model: ModelArgs, args: ServeArgs) -> Result<()> {
         chat_template: args.chat_template,
         grace: Duration::from_secs_f64(args.grace),
         body_limit: args.max_body,
+        tool_format: args
+            .tool_call_format
+            .as_deref()
+            .and_then(memra_server::tools::ToolFormat::from_name),
     };
     let parallel = args.parallel;
     memra_server::run(

@@ -720,3 +720,70 @@ fn gpu_commands_fail_cleanly_without_a_gpu() {
         }
     }
 }
+
+/// `run --json-schema FILE` and `--grammar FILE` on the tiny llama (random weights, so
+/// only the grammar makes the output what it is): the JSON matches the schema, the GBNF
+/// and Lark grammars' outputs are in their languages, each ends by its grammar; bad
+/// schemas and grammars exit 1 naming the problem.
+#[test]
+fn run_holds_the_output_to_a_schema_or_grammar() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-grammar-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = tiny_model("tiny-llama.gguf");
+    let m = model.to_str().unwrap();
+    let file = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let schema = file(
+        "schema.json",
+        r#"{"type": "object", "properties": {"ok": {"type": "boolean"},
+            "n": {"enum": [1, 2, 3]}}, "required": ["ok", "n"], "additionalProperties": false}"#,
+    );
+    let gbnf = file("yes.gbnf", "root ::= (\"yes\" | \"no\") \"!\"\n");
+    let lark = file("digits.lark", "start: /[0-9]{2}/ \"%\"\n");
+    let run = |flag: &str, path: &str| {
+        memra(&[
+            "run", "-m", m, "-p", "Hello", "-n", "40", "--temp", "0.9", "--seed", "3", flag, path,
+        ])
+    };
+    let out = run("--json-schema", &schema);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert!(
+        v["ok"].is_boolean() && [1, 2, 3].contains(&v["n"].as_i64().unwrap()),
+        "{v}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stop: EndOfGeneration"));
+    let out = run("--grammar", &gbnf);
+    assert!(
+        ["yes!", "no!"].contains(&stdout(&out).as_str()),
+        "{}",
+        stdout(&out)
+    );
+    let out = run("--grammar", &lark);
+    let text = stdout(&out);
+    assert!(
+        text.len() == 3 && text.ends_with('%') && text[..2].chars().all(|c| c.is_ascii_digit()),
+        "{text}"
+    );
+    let bad_schema = file("bad.json", r#"{"type": "strin"}"#);
+    let bad_gbnf = file("bad.gbnf", "item ::= \"a\"\n");
+    for (flag, path, msg) in [
+        ("--json-schema", bad_schema.as_str(), "strin"),
+        ("--grammar", bad_gbnf.as_str(), "root"),
+        ("--json-schema", gbnf.as_str(), "is not JSON"),
+        ("--grammar", "/nonexistent/g.lark", "cannot read"),
+    ] {
+        let out = run(flag, path);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flag} {path}: {err}");
+        assert!(err.contains(msg), "{flag} {path}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use super::BatchRunner;
 use crate::backend::cpu::kv::KvPool;
 use crate::batch::{ForwardBatch, RowOut, RowPick};
+use crate::constraint::apply_mask;
 use crate::models::Model;
 use crate::sampler::argmax;
 
@@ -40,6 +41,14 @@ impl BatchRunner for CpuBatchRunner {
             .map(|(row, pick)| match pick {
                 RowPick::Greedy => RowOut::Token(argmax(row)),
                 RowPick::Sample(s) => RowOut::Token(s.sample(row)),
+                RowPick::Masked(s, slot) => match slot.wait() {
+                    Some(mask) => {
+                        let mut row = row.to_vec();
+                        apply_mask(&mut row, mask);
+                        RowOut::Token(s.sample(&row))
+                    }
+                    None => RowOut::Logits(row.to_vec()),
+                },
                 RowPick::Logits => RowOut::Logits(row.to_vec()),
             })
             .collect())

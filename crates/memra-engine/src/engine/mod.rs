@@ -15,13 +15,14 @@ mod worker;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 pub use cpu::CpuBatchRunner;
 pub use gpu::GpuBatchRunner;
 
 use crate::batch::{ForwardBatch, RowOut, RowPick};
+use crate::constraint::{Constraint, Grammar, GrammarError, Grammars};
 use crate::models::Model;
 use crate::sampler::{SamplerConfig, SamplerError};
 use crate::scheduler::{SchedulerConfig, SeqId};
@@ -87,6 +88,9 @@ pub struct GenerationParams {
     /// Score the prompt: the log-probability of each prompt token after position `from`
     /// given those before it (perplexity). Such a request does not use the prefix cache.
     pub score_from: Option<usize>,
+    /// The output must match this grammar ([`Engine::compile_grammar`]); it ends when the
+    /// grammar is complete.
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for GenerationParams {
@@ -98,6 +102,7 @@ impl Default for GenerationParams {
             ignore_eos: false,
             logprobs: None,
             score_from: None,
+            constraint: None,
         }
     }
 }
@@ -223,6 +228,8 @@ pub struct Engine {
     next_id: AtomicU64,
     info: EngineInfo,
     stats: Arc<StatsCell>,
+    /// The grammar compiler, built at the first constrained request.
+    grammars: OnceLock<Result<Grammars, GrammarError>>,
 }
 
 impl Engine {
@@ -251,6 +258,20 @@ impl Engine {
             next_id: AtomicU64::new(1),
             info,
             stats,
+            grammars: OnceLock::new(),
+        }
+    }
+
+    /// Compiles a grammar for a request's `constraint`; the first call builds the
+    /// vocabulary's trie (a few hundred milliseconds: call it off latency-sensitive
+    /// threads).
+    pub fn compile_grammar(&self, g: &Grammar) -> Result<Constraint, GrammarError> {
+        match self
+            .grammars
+            .get_or_init(|| Grammars::new(&self.model.tokenizer))
+        {
+            Ok(grammars) => grammars.compile(g),
+            Err(e) => Err(GrammarError::Invalid(e.to_string())),
         }
     }
 

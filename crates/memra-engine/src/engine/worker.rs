@@ -8,7 +8,10 @@ use std::sync::Arc;
 use super::{
     BatchRunner, Command, Event, EventSink, FinishReason, Request, StatsCell, TokenEvent, Usage,
 };
+use rayon::prelude::*;
+
 use crate::batch::{ForwardBatch, RowOut, RowPick};
+use crate::constraint::{apply_mask, Constraint, MaskSlot};
 use crate::kv::BlockManager;
 use crate::models::Model;
 use crate::sampler::Sampler;
@@ -112,35 +115,62 @@ pub(super) fn run(
             continue;
         }
         let (batch, rows) = build_batch(&step, &sched, &live, runner.block_size());
-        // Each sequence's last row is sampled by the runner (on the device where it can)
-        // unless its log-probabilities are wanted; scoring rows come back as logits. The
-        // samplers leave their sequences for the step.
+        // The grammars of the constrained sequences that sample: their masks are computed
+        // on a thread of their own while the forward runs (the runner waits for a row's
+        // mask only when it picks that row's token: on a GPU, after the step's kernels are
+        // launched).
+        let mut constrained = take_constraints(&step, &mut live);
+        let slots: Vec<MaskSlot> = constrained.iter().map(|_| MaskSlot::default()).collect();
+        let slot_of: HashMap<SeqId, &MaskSlot> =
+            constrained.iter().map(|(id, _)| *id).zip(&slots).collect();
+        // Each sequence's last row is sampled by the runner (on the device where it can;
+        // among its grammar's tokens for a constrained one) unless its log-probabilities
+        // are wanted; scoring rows come back as logits. The samplers leave their sequences
+        // for the step.
         let mut samplers: Vec<Sampler> = Vec::new();
-        let mut plan: Vec<bool> = Vec::with_capacity(batch.logit_rows.len());
+        let mut plan: Vec<Option<Option<&MaskSlot>>> = Vec::with_capacity(batch.logit_rows.len());
         for (s, &n_rows) in step.seqs.iter().zip(&rows) {
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
             let sample_here = s.logits && l.request.params.logprobs.is_none() && l.runner_samples();
-            plan.extend(std::iter::repeat_n(false, n_rows));
+            plan.extend(std::iter::repeat_n(None, n_rows));
             if sample_here {
-                *plan.last_mut().expect("a sampled sequence has its row") = true;
+                *plan.last_mut().expect("a sampled sequence has its row") =
+                    Some(slot_of.get(&s.id).copied());
                 samplers.push(l.sampler.take().expect("a sampler per sequence"));
             }
         }
         let mut it = samplers.iter_mut();
         let mut picks: Vec<RowPick> = plan
             .iter()
-            .map(|&sample| match sample {
-                true => RowPick::Sample(it.next().expect("one per sampled row")),
-                false => RowPick::Logits,
+            .map(|&p| match p {
+                Some(None) => RowPick::Sample(it.next().expect("one per sampled row")),
+                Some(Some(slot)) => RowPick::Masked(it.next().expect("one per sampled row"), slot),
+                None => RowPick::Logits,
             })
             .collect();
-        // A panic in a backend is a bug, but it fails this step's requests, not the
-        // engine and every request after them.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            runner.forward(&batch, &mut picks)
-        }))
-        .unwrap_or_else(|_| Err("internal error in the forward pass".to_string()));
+        let result = std::thread::scope(|scope| {
+            if !constrained.is_empty() {
+                let (constrained, slots) = (&mut constrained, &slots);
+                scope.spawn(move || compute_masks(constrained, slots));
+            }
+            // A panic in a backend is a bug, but it fails this step's requests, not the
+            // engine and every request after them.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                runner.forward(&batch, &mut picks)
+            }))
+            .unwrap_or_else(|_| Err("internal error in the forward pass".to_string()))
+        });
         drop(picks);
+        // Every mask is in its slot now (the thread is joined).
+        let masks: HashMap<SeqId, Result<&[u32], &str>> = slot_of
+            .iter()
+            .map(|(&id, slot)| (id, slot.result()))
+            .collect();
+        for (id, c) in constrained {
+            if let Some(l) = live.get_mut(&id) {
+                l.request.params.constraint = Some(c);
+            }
+        }
         let mut samplers = samplers.into_iter();
         for s in &step.seqs {
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
@@ -177,8 +207,19 @@ pub(super) fn run(
                 .into_iter()
                 .last()
                 .expect("a row for the last token");
-            if let Some(reason) = sample(tok, l, last, &mut sched, s.id) {
-                finish(&mut sched, &mut live, s.id, reason);
+            let mask = match masks.get(&s.id) {
+                Some(Err(e)) => {
+                    let why = format!("the grammar failed: {e}");
+                    fail(&mut sched, &mut live, s.id, &why);
+                    continue;
+                }
+                Some(Ok(m)) => Some(*m),
+                None => None,
+            };
+            match sample(tok, l, last, mask, &mut sched, s.id) {
+                Ok(None) => {}
+                Ok(Some(reason)) => finish(&mut sched, &mut live, s.id, reason),
+                Err(e) => fail(&mut sched, &mut live, s.id, &e),
             }
         }
     }
@@ -244,26 +285,74 @@ fn top_logprobs(row: &[f32], n: usize) -> Vec<(u32, f32)> {
     idx.iter().map(|&i| (i, log_softmax_at(row, i))).collect()
 }
 
-/// Takes the next token of a sequence (sampled by the runner, or here from its logits)
-/// and sends it; returns why the sequence ends, if it does (else the token joins it).
+/// The constraints of the step's sequences that sample, out of their sequences for the
+/// step.
+fn take_constraints(step: &Step, live: &mut HashMap<SeqId, Live>) -> Vec<(SeqId, Constraint)> {
+    step.seqs
+        .iter()
+        .filter(|s| s.logits)
+        .filter_map(|s| {
+            let l = live.get_mut(&s.id)?;
+            if !l.runner_samples() {
+                return None;
+            }
+            l.request.params.constraint.take().map(|c| (s.id, c))
+        })
+        .collect()
+}
+
+/// Each constraint's mask into its slot, in parallel on rayon's threads (a mask takes from
+/// tens of microseconds to a few milliseconds). Every slot is filled, a panic included
+/// (the runner waits on them).
+fn compute_masks(constrained: &mut [(SeqId, Constraint)], slots: &[MaskSlot]) {
+    let one = |c: &mut Constraint, slot: &MaskSlot| {
+        let m = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.mask()))
+            .unwrap_or_else(|_| Err("internal error computing the mask".into()));
+        slot.set(m);
+    };
+    if constrained.len() == 1 {
+        one(&mut constrained[0].1, &slots[0]);
+    } else {
+        constrained
+            .par_iter_mut()
+            .zip(slots)
+            .for_each(|((_, c), slot)| one(c, slot));
+    }
+}
+
+/// Takes the next token of a sequence (sampled by the runner, or here from its logits,
+/// among `mask`'s tokens when it has a grammar) and sends it; returns why the sequence
+/// ends, if it does (else the token joins it), or an error that ends it.
 fn sample(
     tok: &Tokenizer,
     l: &mut Live,
     row: RowOut,
+    mask: Option<&[u32]>,
     sched: &mut Scheduler,
     id: SeqId,
-) -> Option<FinishReason> {
+) -> Result<Option<FinishReason>, String> {
     if l.generated >= l.request.params.max_tokens {
-        return Some(FinishReason::Length); // prompt scoring only
+        return Ok(Some(FinishReason::Length)); // prompt scoring only
     }
     let sampler = l.sampler.as_mut().expect("sampler back after the step");
-    let (next, logits) = match row {
-        RowOut::Token(id) => (id, None),
-        RowOut::Logits(v) => (sampler.sample(&v), Some(v)),
+    let (next, logits) = match (row, mask) {
+        (RowOut::Token(id), _) => (id, None),
+        (RowOut::Logits(v), None) => (sampler.sample(&v), Some(v)),
+        (RowOut::Logits(v), Some(m)) => {
+            let mut masked = v.clone();
+            apply_mask(&mut masked, m);
+            (sampler.sample(&masked), Some(v))
+        }
     };
-    let p = &l.request.params;
-    if tok.is_end_of_generation(next) && !p.ignore_eos {
-        return Some(FinishReason::EndOfGeneration);
+    let p = &mut l.request.params;
+    // A grammar allows end-of-generation tokens only where it may end: they end it
+    // whatever `ignore_eos` says.
+    if tok.is_end_of_generation(next) && (!p.ignore_eos || p.constraint.is_some()) {
+        return Ok(Some(FinishReason::EndOfGeneration));
+    }
+    if let Some(c) = p.constraint.as_mut() {
+        c.accept(next)
+            .map_err(|e| format!("token {next} does not fit the grammar: {e}"))?;
     }
     sampler.accept(next);
     l.generated += 1;
@@ -281,16 +370,19 @@ fn sample(
     }));
     if !delivered {
         // Nobody listens: end it now (its blocks go back with the finish).
-        return Some(FinishReason::Length);
+        return Ok(Some(FinishReason::Length));
     }
     if hit {
-        return Some(FinishReason::StopString);
+        return Ok(Some(FinishReason::StopString));
+    }
+    if p.constraint.as_ref().is_some_and(Constraint::is_finished) {
+        return Ok(Some(FinishReason::EndOfGeneration));
     }
     if l.generated >= p.max_tokens {
-        return Some(FinishReason::Length);
+        return Ok(Some(FinishReason::Length));
     }
     sched.append(id, next);
-    None
+    Ok(None)
 }
 
 /// Ends a sequence: the text held back, the scores, the counts; its blocks go back.

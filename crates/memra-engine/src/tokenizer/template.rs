@@ -54,6 +54,8 @@ pub const BUILTINS: [(&str, &str); 3] = [
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The Jinja text (the server reads it to tell how the model writes tool calls).
+    source: String,
 }
 
 /// The conversation to render.
@@ -80,7 +82,14 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.to_owned())
             .map_err(TemplateError::Syntax)?;
-        Ok(ChatTemplate { env })
+        Ok(ChatTemplate {
+            env,
+            source: source.to_owned(),
+        })
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     pub fn builtin(name: &str) -> Result<ChatTemplate, TemplateError> {

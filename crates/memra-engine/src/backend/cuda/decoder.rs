@@ -32,6 +32,7 @@ use super::sampling::{argmax, DevicePick, MAX_CANDIDATES};
 use super::weights::{matrix_bytes, GpuWeights};
 use super::{CudaDevice, CudaError};
 use crate::batch::{ForwardBatch, RowOut, RowPick};
+use crate::constraint::apply_mask;
 use crate::models::forward::forward;
 use crate::models::layers::{Activation, Decoder, Hyper};
 use crate::models::LogitRows;
@@ -523,23 +524,36 @@ impl GpuDecoder {
             this.softcap(&mut v);
             Ok(v)
         };
-        let sampler = match pick {
+        // A constrained row's mask goes to the device and sets the logits it bans to minus
+        // infinity before the pick, so a greedy pick done with the step is of no use.
+        // The mask may still be being computed on the host: this waits for it.
+        let (sampler, mask) = match pick {
             RowPick::Logits => return Ok(RowOut::Logits(host_row(self)?)),
-            RowPick::Greedy => None,
-            RowPick::Sample(s) if s.is_plain_greedy() => None,
-            RowPick::Sample(s) => Some(s),
+            RowPick::Greedy => (None, None),
+            RowPick::Sample(s) if s.is_plain_greedy() => (None, None),
+            RowPick::Sample(s) => (Some(s), None),
+            RowPick::Masked(s, slot) => match slot.wait() {
+                None => return Ok(RowOut::Logits(host_row(self)?)),
+                Some(m) if s.is_plain_greedy() => (None, Some(m)),
+                Some(m) => (Some(s), Some(m)),
+            },
         };
         let first_best = match logits {
             Logits::Host(h) => {
-                let r = &h[span];
+                let mut r = h[span].to_vec();
+                if let Some(m) = mask {
+                    apply_mask(&mut r, m);
+                }
                 return Ok(RowOut::Token(match sampler {
-                    None => crate::sampler::argmax(r),
-                    Some(s) => s.sample(r),
+                    None => crate::sampler::argmax(&r),
+                    Some(s) => s.sample(&r),
                 }));
             }
-            Logits::Rows { best } if sampler.is_none() => return Ok(RowOut::Token(best[row])),
+            Logits::Rows { best } if sampler.is_none() && mask.is_none() => {
+                return Ok(RowOut::Token(best[row]))
+            }
             Logits::Rows { .. } => false,
-            Logits::Device { best } => *best && row == 0,
+            Logits::Device { best } => *best && row == 0 && mask.is_none(),
         };
         // A row other than the first of the step's logits is copied to a row of its own
         // for the device picks.
@@ -558,6 +572,9 @@ impl GpuDecoder {
         }
         let s = &mut self.step;
         let buf = if own_row { &mut s.row } else { &mut s.logits };
+        if let Some(m) = mask {
+            s.sampler.apply_mask(&self.dev, buf, nv, m)?;
+        }
         let Some(sampler) = sampler else {
             if !first_best {
                 argmax(&self.dev, buf, nv, &mut s.best_parts, &mut s.best)?;
@@ -571,7 +588,10 @@ impl GpuDecoder {
             Some(_) => None,
         };
         let Some(plan) = plan else {
-            let v = host_row(self)?;
+            let mut v = host_row(self)?;
+            if let Some(m) = mask {
+                apply_mask(&mut v, m);
+            }
             return Ok(RowOut::Token(sampler.sample(&v)));
         };
         let u = sampler.peek_uniform();

@@ -90,6 +90,35 @@ pub fn argmax(
     Ok(())
 }
 
+/// Sets to minus infinity each of the first `n` logits of `x` whose bit in the first
+/// `n_words` words of `mask` is clear (token `t`: bit `t % 32` of word `t / 32`; tokens at
+/// or past `32 * n_words` are banned), in one launch.
+pub fn apply_token_mask(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<f32>,
+    n: usize,
+    mask: &CudaSlice<u32>,
+    n_words: usize,
+) -> Result<(), CudaError> {
+    check(
+        x.len() >= n && n > 0 && mask.len() >= n_words,
+        "apply_token_mask: shapes",
+    )?;
+    let f = dev.function("sampling", "apply_token_mask")?;
+    let (n_i, words_i) = (n as i32, n_words as i32);
+    // SAFETY: n logits of x, n_words words of mask (checked above).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(x)
+            .arg(&n_i)
+            .arg(mask)
+            .arg(&words_i)
+            .launch(grid_1d(n))?;
+    }
+    Ok(())
+}
+
 /// Buffers of the device sampler: the logit adjustments of a step and the result.
 pub struct DeviceSampler {
     ids: CudaSlice<i32>,
@@ -103,6 +132,8 @@ pub struct DeviceSampler {
     /// The token, and whether the draw was used.
     out: CudaSlice<i32>,
     parts: ArgmaxParts,
+    /// A constrained row's token bitmask (grown to the vocabulary's words at first use).
+    mask: CudaSlice<u32>,
 }
 
 /// What the device picked.
@@ -125,7 +156,30 @@ impl DeviceSampler {
             cand_counts: dev.stream.alloc_zeros(1)?,
             out: dev.stream.alloc_zeros(2)?,
             parts: ArgmaxParts::new(dev)?,
+            mask: dev.stream.alloc_zeros(1)?,
         })
+    }
+
+    /// Sets to minus infinity each of the first `n` logits that `mask` does not allow
+    /// (bit `t % 32` of word `t / 32` for token `t`; tokens past the mask's words are not
+    /// allowed), as [`crate::constraint::apply_mask`] does on the host: the mask goes up
+    /// (n / 8 bytes: 16 KB for 128,256 tokens) and one launch applies it.
+    pub fn apply_mask(
+        &mut self,
+        dev: &CudaDevice,
+        logits: &mut CudaSlice<f32>,
+        n: usize,
+        mask: &[u32],
+    ) -> Result<(), CudaError> {
+        check(
+            logits.len() >= n && n > 0 && !mask.is_empty(),
+            "apply_mask: shapes",
+        )?;
+        if self.mask.len() < mask.len() {
+            self.mask = dev.stream.alloc_zeros(mask.len())?;
+        }
+        dev.stream.memcpy_htod(mask, &mut self.mask)?;
+        apply_token_mask(dev, logits, n, &self.mask, mask.len())
     }
 
     /// Picks from the first `n` logits by `plan` (which may change them), `u` being the
@@ -241,6 +295,97 @@ mod tests {
     use super::super::matvec::tests::lcg;
     use super::*;
     use crate::sampler::{Sampler, SamplerConfig};
+
+    /// The device's token mask against the host's (`constraint::apply_mask`) on fresh
+    /// random logits and masks (dense, sparse, a single token, masks shorter than the
+    /// vocabulary), then the greedy pick and the sampled pick after each against the CPU's
+    /// on the masked logits: same values (exactly: -inf or untouched), same tokens, and
+    /// every pick an allowed token.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_token_mask_matches_the_cpu_masking() {
+        use crate::constraint::{allows, apply_mask};
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 11u64;
+        let mut ds = DeviceSampler::new(&dev).unwrap();
+        let mut parts = ArgmaxParts::new(&dev).unwrap();
+        let mut best = dev.stream.alloc_zeros::<i32>(1).unwrap();
+        let mut rnd = |m: u64| lcg(&mut seed) % m;
+        for case in 0..120 {
+            let n = [1000usize, 32000, 128256, 151936][case % 4];
+            let logits: Vec<f32> = (0..n).map(|_| rnd(1_000_000) as f32 / 1e5 - 5.0).collect();
+            // Words for the whole vocabulary or fewer (the rest banned).
+            let n_words = match case % 5 {
+                4 => n.div_ceil(32) - 3,
+                _ => n.div_ceil(32),
+            };
+            // Allowed tokens are below n: at least one logit stays finite.
+            let mut mask = vec![0u32; n_words];
+            match case % 3 {
+                0 => mask.iter_mut().for_each(|w| *w = rnd(1 << 32) as u32 | 1),
+                1 => {
+                    for _ in 0..1 + rnd(50) {
+                        let t = rnd(n.min(n_words * 32) as u64) as usize;
+                        mask[t / 32] |= 1 << (t % 32);
+                    }
+                }
+                _ => {
+                    let t = rnd(n.min(n_words * 32) as u64) as usize;
+                    mask[t / 32] |= 1 << (t % 32);
+                }
+            }
+            let mut want = logits.clone();
+            apply_mask(&mut want, &mask);
+            let mut ld = dev.stream.clone_htod(&logits).unwrap();
+            ds.apply_mask(&dev, &mut ld, n, &mask).unwrap();
+            let got = dev.stream.clone_dtoh(&ld).unwrap();
+            let same = want
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "case {case}: n {n}, {n_words} words: masked logits differ"
+            );
+            // The greedy pick on the masked logits.
+            argmax(&dev, &ld, n, &mut parts, &mut best).unwrap();
+            let g = dev.stream.clone_dtoh(&best).unwrap()[0] as usize;
+            if want.iter().any(|v| v.is_finite()) {
+                assert_eq!(
+                    g as u32,
+                    crate::sampler::argmax(&want),
+                    "case {case}: greedy"
+                );
+                assert!(allows(&mask, g), "case {case}: greedy pick {g} not allowed");
+            }
+            // A sampled pick on the masked logits, as the engine's device path does it.
+            let config = SamplerConfig {
+                temperature: 0.8,
+                top_k: 40,
+                seed: case as u64,
+                ..SamplerConfig::default()
+            };
+            let mut cpu = Sampler::new(config.clone()).unwrap();
+            let gpu = Sampler::new(config).unwrap();
+            let want_tok = cpu.sample(&want);
+            let plan = gpu.device_plan(n, MAX_CANDIDATES).expect("a device plan");
+            let mut ld = dev.stream.clone_htod(&logits).unwrap();
+            ds.apply_mask(&dev, &mut ld, n, &mask).unwrap();
+            let u = gpu.peek_uniform();
+            let got_tok = match ds.pick(&dev, &mut ld, n, &plan, u).unwrap() {
+                DevicePick::Token { id, .. } => id,
+                DevicePick::NoFinite => panic!("case {case}: an allowed token is finite"),
+            };
+            assert_eq!(got_tok, want_tok, "case {case}: sampled");
+            assert!(
+                allows(&mask, got_tok as usize),
+                "case {case}: sampled pick not allowed"
+            );
+        }
+        // A mask of no words is an error, not a launch.
+        let mut ld = dev.stream.alloc_zeros::<f32>(1000).unwrap();
+        assert!(ds.apply_mask(&dev, &mut ld, 1000, &[]).is_err());
+    }
 
     /// The device sampler against the CPU sampler on the same logits, recent tokens and
     /// seed: fresh random logits (ties, banned and NaN logits among them), every filter,
