@@ -138,6 +138,11 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Whether sequence `id` runs (holds blocks), rather than waits.
+    pub fn is_running(&self, id: SeqId) -> bool {
+        self.running.iter().any(|s| s.id == id)
+    }
+
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }

@@ -12,6 +12,7 @@ use memra_engine::engine::{
 use memra_engine::models::{LogitRows, Model};
 use memra_engine::sampler::{argmax, SamplerConfig};
 use memra_engine::scheduler::SchedulerConfig;
+use memra_engine::spec::SpecConfig;
 
 mod common;
 use common::model_path;
@@ -61,6 +62,7 @@ fn engine(model: &Arc<Model>, kv_tokens: usize, max_running: usize, budget: usiz
                 token_budget: budget,
             },
             n_ctx: N_CTX,
+            spec: None,
         },
     )
 }
@@ -494,4 +496,155 @@ fn constrained_sequences_match_their_schema_beside_plain_ones() {
         ),
         "{last:?}"
     );
+}
+
+fn spec_engine(model: &Arc<Model>, budget: usize, kv_tokens: usize) -> Engine {
+    let runner = CpuBatchRunner::new(model.clone(), kv_tokens, 16);
+    Engine::start(
+        model.clone(),
+        Box::new(runner),
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running: 8,
+                token_budget: budget,
+            },
+            n_ctx: N_CTX,
+            spec: Some(SpecConfig {
+                ngram: 3,
+                draft_max: 6,
+                draft_min: 1,
+                max_batch: 8,
+            }),
+        },
+    )
+}
+
+/// Speculative decoding with prompt lookup at temperature 0: every sequence gets exactly
+/// the tokens of plain decoding, with whole verify steps, verify steps chunked by a small
+/// budget, and in a pool small enough to preempt sequences holding drafts; and the drafts
+/// are accepted often enough to matter (the prompts repeat themselves).
+#[test]
+fn speculative_greedy_decoding_gives_plain_decodings_tokens() {
+    for name in MODELS {
+        let model = Arc::new(Model::load(&model_path(name)).unwrap());
+        let n = 24;
+        let mut ps = prompts(&model);
+        ps.push(
+            model
+                .tokenizer
+                .encode(
+                    "one two three four one two three four one two three",
+                    true,
+                    true,
+                )
+                .unwrap(),
+        );
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&model, p, n)).collect();
+        let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
+        let longest = ps.iter().map(|p| p.len()).max().unwrap() + n;
+        let configs = [
+            (2048, N_CTX * 8, "whole"),
+            (5, N_CTX * 8, "budget 5"),
+            (2048, longest.div_ceil(16) * 16 + 16, "small pool"),
+        ];
+        // The real model (slow on the CPU) in one configuration; the tiny ones in all.
+        let configs = if name.starts_with("tiny") { &configs[..] } else { &configs[..1] };
+        for &(budget, kv, label) in configs {
+            let got = run_all(&spec_engine(&model, budget, kv), &reqs);
+            let (mut drafted, mut accepted) = (0, 0);
+            for (i, ((ids, usage), w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(ids, w, "{name} {label}: prompt {i}");
+                assert!(usage.accepted_tokens <= usage.draft_tokens);
+                drafted += usage.draft_tokens;
+                accepted += usage.accepted_tokens;
+            }
+            eprintln!("{name} {label}: {accepted} of {drafted} drafts accepted");
+            assert!(accepted > 0, "{name} {label}: no draft accepted");
+        }
+    }
+}
+
+/// Speculative decoding at temperature 0.9: the joint distribution of the second and third
+/// generated tokens (the first a verify step decides) is the same with and without
+/// speculation, by a two-sample chi-square test over 2,000 seeds each. A logit bias keeps
+/// the draws to three tokens of the prompt (in the model's own proportions), so that
+/// prompt lookup finds a draft after each.
+#[test]
+fn speculative_sampling_keeps_the_distribution() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let prompt = model
+        .tokenizer
+        .encode(
+            "the cat sat on the mat and the dog sat on the log and the bird sat on the cat",
+            true,
+            true,
+        )
+        .unwrap();
+    let n = 2000;
+    let mut three: Vec<u32> = prompt.clone();
+    three.sort();
+    three.dedup();
+    let bias: std::collections::HashMap<u32, f32> = three[three.len() - 3..]
+        .iter()
+        .map(|&t| (t, 100.0))
+        .collect();
+    let reqs: Vec<Request> = (0..n)
+        .map(|i| {
+            request(
+                &prompt,
+                3,
+                SamplerConfig {
+                    temperature: 0.9,
+                    top_k: 3,
+                    top_p: 1.0,
+                    min_p: 0.0,
+                    logit_bias: bias.clone(),
+                    seed: 1000 + i as u64,
+                    ..SamplerConfig::default()
+                },
+            )
+        })
+        .collect();
+    let hist = |runs: &[(Vec<u32>, Usage)]| {
+        let mut h = std::collections::HashMap::new();
+        for (ids, _) in runs {
+            *h.entry((ids[1], ids[2])).or_insert(0usize) += 1;
+        }
+        h
+    };
+    let plain = run_all(&engine(&model, N_CTX * 8, 8, 2048), &reqs);
+    let spec = run_all(&spec_engine(&model, 2048, N_CTX * 8), &reqs);
+    let drafted = spec.iter().filter(|(_, u)| u.draft_tokens > 0).count();
+    assert!(drafted > n / 5, "only {drafted} of {n} sequences drafted");
+    let (a, b) = (hist(&plain), hist(&spec));
+    let mut keys: Vec<_> = a.keys().chain(b.keys()).copied().collect();
+    keys.sort();
+    keys.dedup();
+    // Two-sample chi-square of homogeneity; categories with fewer than 10 expected draws
+    // pooled into one.
+    let (mut chi, mut dof, mut rest) = (0.0f64, 0usize, (0usize, 0usize));
+    for k in keys {
+        let (x, y) = (
+            a.get(&k).copied().unwrap_or(0),
+            b.get(&k).copied().unwrap_or(0),
+        );
+        if x + y < 20 {
+            rest = (rest.0 + x, rest.1 + y);
+            continue;
+        }
+        let e = (x + y) as f64 / 2.0;
+        chi += (x as f64 - e).powi(2) / e + (y as f64 - e).powi(2) / e;
+        dof += 1;
+    }
+    if rest.0 + rest.1 > 0 {
+        let e = (rest.0 + rest.1) as f64 / 2.0;
+        chi += (rest.0 as f64 - e).powi(2) / e + (rest.1 as f64 - e).powi(2) / e;
+        dof += 1;
+    }
+    // 0.1% critical values of chi-square, df = categories - 1 (up to 9 are possible).
+    let critical = [
+        10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88,
+    ][dof - 2];
+    eprintln!("chi-square {chi:.2} over {dof} categories ({drafted} of {n} drafted)");
+    assert!(chi < critical, "chi-square {chi:.2} >= {critical}");
 }

@@ -12,7 +12,7 @@ use memra_engine::backend::cuda::decoder::{F16Weights, GpuDecoder, GpuOptions, P
 use memra_engine::constraint::{Constraint, Grammar};
 use memra_engine::engine::{
     BatchRunner, CpuBatchRunner, Engine, EngineConfig, Event, FinishReason, GenerationParams,
-    GpuBatchRunner, Request,
+    GpuBatchRunner, Request, Usage,
 };
 use memra_engine::generate::{
     perplexity_chunks, CpuRunner, GenerateConfig, GenerateStats, NllSum, Runner, StopReason,
@@ -21,6 +21,7 @@ use memra_engine::kv::DEFAULT_BLOCK_SIZE;
 use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
 use memra_engine::scheduler::SchedulerConfig;
+use memra_engine::spec::SpecConfig;
 use memra_engine::tokenizer::template::{ChatInput, ChatTemplate};
 use memra_gguf::GgufFile;
 
@@ -65,6 +66,42 @@ pub struct ModelArgs {
     /// at most a quarter of the memory left free.
     #[arg(long, value_enum, default_value_t = F16Arg::Auto)]
     pub f16_weights: F16Arg,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+}
+
+/// Speculative decoding: drafts of the next tokens verified in one forward pass.
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Prompt lookup: draft the tokens that followed the sequence's last N tokens earlier in
+    /// its prompt and output (N down to 1). Off by default.
+    #[arg(long, value_name = "N")]
+    pub spec_ngram: Option<usize>,
+    /// Drafted tokens per step at most (the length adapts to recent acceptance).
+    #[arg(long, default_value_t = 8)]
+    pub draft_max: usize,
+    /// Drafted tokens per step at least: fewer found, no speculation that step.
+    #[arg(long, default_value_t = 1)]
+    pub draft_min: usize,
+    /// Speculate while at most this many sequences run (a large batch gains nothing).
+    #[arg(long, default_value_t = 8)]
+    pub spec_max_batch: usize,
+}
+
+impl SpecArgs {
+    pub fn config(&self) -> Result<Option<SpecConfig>> {
+        let Some(ngram) = self.spec_ngram else {
+            return Ok(None);
+        };
+        let c = SpecConfig {
+            ngram,
+            draft_max: self.draft_max,
+            draft_min: self.draft_min,
+            max_batch: self.spec_max_batch,
+        };
+        c.validate().map_err(anyhow::Error::msg)?;
+        Ok(Some(c))
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -221,14 +258,23 @@ pub fn runner<'m>(
     })
 }
 
-fn report(stats: &GenerateStats, cached: Option<usize>) {
+fn report(stats: &GenerateStats, usage: Option<&Usage>) {
     let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
-    let cached = match cached {
+    let cached = match usage.map(|u| u.cached_tokens) {
         Some(c) if c > 0 => format!(" ({c} from the prefix cache)"),
         _ => String::new(),
     };
+    let drafts = match usage {
+        Some(u) if u.draft_tokens > 0 => format!(
+            "; drafts: {} of {} accepted ({:.0}%)",
+            u.accepted_tokens,
+            u.draft_tokens,
+            100.0 * u.accepted_tokens as f64 / u.draft_tokens as f64
+        ),
+        _ => String::new(),
+    };
     eprintln!(
-        "\nprompt: {} tokens{cached} in {:.2} s ({:.1} t/s); generated: {} tokens in {:.2} s ({:.1} t/s); stop: {:?}",
+        "\nprompt: {} tokens{cached} in {:.2} s ({:.1} t/s); generated: {} tokens in {:.2} s ({:.1} t/s); stop: {:?}{drafts}",
         stats.prompt_tokens,
         stats.prompt_time.as_secs_f64(),
         rate(stats.prompt_tokens, stats.prompt_time),
@@ -312,6 +358,7 @@ pub fn start_engine(
                 token_budget: args.batch_size,
             },
             n_ctx,
+            spec: args.spec.config()?,
         },
     );
     eprintln!("{}", engine.info().pool);
@@ -319,14 +366,14 @@ pub fn start_engine(
 }
 
 /// Generates through the engine, giving each piece of text to `on_text` as it comes;
-/// returns the statistics and the prompt tokens taken from the prefix cache.
+/// returns the statistics and the request's usage (prefix-cache hits, drafts).
 fn engine_generate(
     engine: &Engine,
     prompt: Vec<u32>,
     config: &GenerateConfig,
     constraint: Option<Constraint>,
     mut on_text: impl FnMut(&str),
-) -> Result<(GenerateStats, usize)> {
+) -> Result<(GenerateStats, Usage)> {
     let prompt_tokens = prompt.len();
     let start = Instant::now();
     let mut handle = engine.submit(Request {
@@ -369,7 +416,7 @@ fn engine_generate(
                     generate_time: total - prompt_time,
                     stop,
                 };
-                return Ok((stats, usage.cached_tokens));
+                return Ok((stats, usage));
             }
             Some(Event::Error(e)) => bail!("{e}"),
             Some(Event::PromptScores(_)) => {}
@@ -454,13 +501,13 @@ pub fn run(
         .map(|g| engine.compile_grammar(&g))
         .transpose()
         .context("cannot use the grammar")?;
-    let (stats, cached) = engine_generate(&engine, ids, &config, constraint, print_flush)?;
+    let (stats, usage) = engine_generate(&engine, ids, &config, constraint, print_flush)?;
     end_output();
     let mut stats = stats;
     if stats.stop == StopReason::Length && stats.generated.len() < n_predict {
         stats.stop = StopReason::ContextFull;
     }
-    report(&stats, Some(cached));
+    report(&stats, Some(&usage));
     Ok(())
 }
 
@@ -522,12 +569,12 @@ pub fn chat(
             sampler: sampling.config(),
         };
         let mut reply = String::new();
-        let (stats, cached) = engine_generate(&engine, ids, &config, None, |s| {
+        let (stats, usage) = engine_generate(&engine, ids, &config, None, |s| {
             reply.push_str(s);
             print_flush(s);
         })?;
         print_flush("\n");
-        report(&stats, Some(cached));
+        report(&stats, Some(&usage));
         messages.push(serde_json::json!({"role": "assistant", "content": reply}));
     }
     Ok(())

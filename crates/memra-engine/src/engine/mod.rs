@@ -11,6 +11,7 @@
 
 mod cpu;
 mod gpu;
+mod speculate;
 mod worker;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -26,6 +27,7 @@ use crate::constraint::{Constraint, Grammar, GrammarError, Grammars};
 use crate::models::Model;
 use crate::sampler::{SamplerConfig, SamplerError};
 use crate::scheduler::{SchedulerConfig, SeqId};
+use crate::spec::SpecConfig;
 
 /// A backend that runs forward passes over a paged KV pool it owns.
 pub trait BatchRunner: Send {
@@ -72,6 +74,9 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Positions one sequence may hold (prompt and generated tokens).
     pub n_ctx: usize,
+    /// Speculative decoding (prompt lookup) for the sequences that can take it: no
+    /// grammar, no log-probabilities, no prompt scoring.
+    pub spec: Option<SpecConfig>,
 }
 
 #[derive(Clone, Debug)]
@@ -143,6 +148,9 @@ pub struct Usage {
     pub cached_tokens: usize,
     /// Times the sequence was preempted and recomputed.
     pub preemptions: usize,
+    /// Speculative decoding: tokens drafted, and how many of them the model accepted.
+    pub draft_tokens: usize,
+    pub accepted_tokens: usize,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -249,7 +257,7 @@ impl Engine {
         let s = stats.clone();
         let worker = std::thread::Builder::new()
             .name("memra-engine".into())
-            .spawn(move || worker::run(m, runner, config.scheduler, rx, &s))
+            .spawn(move || worker::run(m, runner, config.scheduler, config.spec, rx, &s))
             .expect("spawn the engine thread");
         Engine {
             model,

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
+use super::speculate::{drafts_for, judge, SpecState};
 use super::{
     BatchRunner, Command, Event, EventSink, FinishReason, Request, StatsCell, TokenEvent, Usage,
 };
@@ -16,6 +17,7 @@ use crate::kv::BlockManager;
 use crate::models::Model;
 use crate::sampler::Sampler;
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, Sequence, Step};
+use crate::spec::SpecConfig;
 use crate::stop::StopFilter;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -30,12 +32,14 @@ struct Live<'t> {
     generated: usize,
     /// Prompt scores by position (`score_from..prompt_len - 1`), filled as chunks run.
     scores: Vec<f32>,
+    spec: SpecState,
 }
 
 pub(super) fn run(
     model: Arc<Model>,
     mut runner: Box<dyn BatchRunner>,
     config: SchedulerConfig,
+    spec: Option<SpecConfig>,
     rx: Receiver<Command>,
     stats: &StatsCell,
 ) {
@@ -84,6 +88,7 @@ pub(super) fn run(
                             sink,
                             generated: 0,
                             scores: vec![0.0; n_scores],
+                            spec: SpecState::default(),
                         },
                     );
                     sched.add(seq);
@@ -98,7 +103,17 @@ pub(super) fn run(
         if sched.is_idle() {
             continue;
         }
+        if let Some(c) = &spec {
+            add_drafts(&mut sched, &mut live, c);
+        }
         let step = sched.schedule();
+        // Drafts of sequences the step does not compute (preempted, or no budget left) go.
+        for (&id, l) in live.iter_mut() {
+            if !l.spec.draft.is_empty() && !step.seqs.iter().any(|s| s.id == id) {
+                sched.settle_draft(id, 0);
+                l.spec.draft.clear();
+            }
+        }
         if step.seqs.is_empty() {
             // Nothing fits although nothing else holds the pool: requests are checked
             // against the pool's size when submitted, so this is a bug; fail the requests
@@ -127,15 +142,26 @@ pub(super) fn run(
         // among its grammar's tokens for a constrained one) unless its log-probabilities
         // are wanted; scoring rows come back as logits. The samplers leave their sequences
         // for the step.
+        // A verify step's rows (the sequence's last token and its drafts) are all picked:
+        // by the device for plain greedy sampling, else as logits for the host's verifier.
         let mut samplers: Vec<Sampler> = Vec::new();
-        let mut plan: Vec<Option<Option<&MaskSlot>>> = Vec::with_capacity(batch.logit_rows.len());
+        let mut plan: Vec<Pick> = Vec::with_capacity(batch.logit_rows.len());
         for (s, &n_rows) in step.seqs.iter().zip(&rows) {
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
+            if !l.spec.draft.is_empty() {
+                let greedy = l.sampler.as_ref().is_some_and(Sampler::is_plain_greedy);
+                let pick = if greedy { Pick::Greedy } else { Pick::Logits };
+                plan.extend(std::iter::repeat_n(pick, n_rows));
+                continue;
+            }
             let sample_here = s.logits && l.request.params.logprobs.is_none() && l.runner_samples();
-            plan.extend(std::iter::repeat_n(None, n_rows));
+            plan.extend(std::iter::repeat_n(Pick::Logits, n_rows));
             if sample_here {
-                *plan.last_mut().expect("a sampled sequence has its row") =
-                    Some(slot_of.get(&s.id).copied());
+                *plan.last_mut().expect("a sampled sequence has its row") = match slot_of.get(&s.id)
+                {
+                    Some(slot) => Pick::Masked(slot),
+                    None => Pick::Sample,
+                };
                 samplers.push(l.sampler.take().expect("a sampler per sequence"));
             }
         }
@@ -143,9 +169,12 @@ pub(super) fn run(
         let mut picks: Vec<RowPick> = plan
             .iter()
             .map(|&p| match p {
-                Some(None) => RowPick::Sample(it.next().expect("one per sampled row")),
-                Some(Some(slot)) => RowPick::Masked(it.next().expect("one per sampled row"), slot),
-                None => RowPick::Logits,
+                Pick::Sample => RowPick::Sample(it.next().expect("one per sampled row")),
+                Pick::Masked(slot) => {
+                    RowPick::Masked(it.next().expect("one per sampled row"), slot)
+                }
+                Pick::Greedy => RowPick::Greedy,
+                Pick::Logits => RowPick::Logits,
             })
             .collect();
         let result = std::thread::scope(|scope| {
@@ -192,6 +221,15 @@ pub(super) fn run(
         for (s, n_rows) in step.seqs.iter().zip(rows) {
             let seq_rows: Vec<RowOut> = outputs.by_ref().take(n_rows).collect();
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
+            if !l.spec.draft.is_empty() {
+                if let Err(e) = settle(tok, l, seq_rows, &mut sched, s) {
+                    match e {
+                        Ok(reason) => finish(&mut sched, &mut live, s.id, reason),
+                        Err(e) => fail(&mut sched, &mut live, s.id, &e),
+                    }
+                }
+                continue;
+            }
             if let Some(from) = l.request.params.score_from {
                 let tokens = &l.request.prompt;
                 for (i, row) in scored_positions(s, from, tokens.len()).zip(&seq_rows) {
@@ -257,7 +295,9 @@ fn build_batch(
                 .collect(),
             None => Vec::new(),
         };
-        if s.logits && want.last() != Some(&(s.n - 1)) {
+        if !live[&s.id].spec.draft.is_empty() {
+            want = (0..s.n).collect();
+        } else if s.logits && want.last() != Some(&(s.n - 1)) {
             want.push(s.n - 1);
         }
         rows.push(want.len());
@@ -344,6 +384,33 @@ fn sample(
             (sampler.sample(&masked), Some(v))
         }
     };
+    emit(tok, l, next, logits, Emit::Append, sched, id)
+}
+
+/// How [`emit`] leaves a token: appended to the sequence (a sampled token, computed by the
+/// next step), or already in it and recorded by the sampler (an accepted draft).
+#[derive(Clone, Copy, PartialEq)]
+enum Emit {
+    Append,
+    /// The sequence holds it; `recorded`: the sampler has seen it.
+    Held {
+        recorded: bool,
+    },
+    /// Appended; the sampler has seen it (a verify step's own token).
+    AppendRecorded,
+}
+
+/// Sends a sequence's next token; returns why the sequence ends, if it does, or an error
+/// that ends it.
+fn emit(
+    tok: &Tokenizer,
+    l: &mut Live,
+    next: u32,
+    logits: Option<Vec<f32>>,
+    how: Emit,
+    sched: &mut Scheduler,
+    id: SeqId,
+) -> Result<Option<FinishReason>, String> {
     let p = &mut l.request.params;
     // A grammar allows end-of-generation tokens only where it may end: they end it
     // whatever `ignore_eos` says.
@@ -354,7 +421,12 @@ fn sample(
         c.accept(next)
             .map_err(|e| format!("token {next} does not fit the grammar: {e}"))?;
     }
-    sampler.accept(next);
+    if matches!(how, Emit::Append | Emit::Held { recorded: false }) {
+        l.sampler
+            .as_mut()
+            .expect("sampler back after the step")
+            .accept(next);
+    }
     l.generated += 1;
     let (logprob, top) = match (p.logprobs, &logits) {
         (Some(n), Some(v)) => (Some(log_softmax_at(v, next)), top_logprobs(v, n)),
@@ -381,8 +453,83 @@ fn sample(
     if l.generated >= p.max_tokens {
         return Ok(Some(FinishReason::Length));
     }
-    sched.append(id, next);
+    if matches!(how, Emit::Append | Emit::AppendRecorded) {
+        sched.append(id, next);
+    }
     Ok(None)
+}
+
+/// What a step picks for a row.
+#[derive(Clone, Copy)]
+enum Pick<'a> {
+    Logits,
+    Greedy,
+    Sample,
+    Masked(&'a MaskSlot),
+}
+
+/// Appends drafts to the sequences that decode this step and can speculate: while few
+/// sequences run, no grammar, log-probabilities or prompt scoring.
+fn add_drafts(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, c: &SpecConfig) {
+    if sched.num_running() > c.max_batch {
+        return;
+    }
+    for (&id, l) in live.iter_mut() {
+        let p = &l.request.params;
+        if p.constraint.is_some() || p.logprobs.is_some() || p.score_from.is_some() {
+            continue;
+        }
+        let Some(seq) = sched.get(id) else { continue };
+        if !sched.is_running(id) || seq.remaining() != 1 || seq.draft > 0 {
+            continue;
+        }
+        // The drafts and the token after them stay within max_tokens (and so within the
+        // context, which the request was checked against).
+        let room = p.max_tokens.saturating_sub(l.generated + 1);
+        let draft = drafts_for(&seq.tokens, c, &l.spec, room);
+        if !draft.is_empty() {
+            sched.add_draft(id, &draft);
+            l.spec.draft = draft;
+        }
+    }
+}
+
+/// A verify step's result for one sequence: the drafts it accepted and its own next token
+/// sent, the rest dropped. Err holds why the sequence ends (or its error).
+fn settle(
+    tok: &Tokenizer,
+    l: &mut Live,
+    rows: Vec<RowOut>,
+    sched: &mut Scheduler,
+    s: &Scheduled,
+) -> Result<(), Result<FinishReason, String>> {
+    let draft = std::mem::take(&mut l.spec.draft);
+    // The step computed the last token and `s.n - 1` drafts (fewer than drafted when the
+    // budget cut the chunk).
+    let computed = &draft[..s.n - 1];
+    let sampler = l
+        .sampler
+        .as_mut()
+        .expect("a verify step leaves the sampler");
+    let (v, recorded) = judge(rows, computed, sampler);
+    sched.settle_draft(s.id, v.accepted);
+    l.spec.drafted += computed.len();
+    l.spec.accepted += v.accepted;
+    l.spec.length.record(v.accepted);
+    let held = Emit::Held { recorded };
+    let last = match recorded {
+        true => Emit::AppendRecorded,
+        false => Emit::Append,
+    };
+    let tokens = computed[..v.accepted].iter().map(|&t| (t, held));
+    for (t, how) in tokens.chain([(v.next, last)]) {
+        match emit(tok, l, t, None, how, sched, s.id) {
+            Ok(None) => {}
+            Ok(Some(reason)) => return Err(Ok(reason)),
+            Err(e) => return Err(Err(e)),
+        }
+    }
+    Ok(())
 }
 
 /// Ends a sequence: the text held back, the scores, the counts; its blocks go back.
@@ -404,6 +551,8 @@ fn finish(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, rea
         completion_tokens: l.generated,
         cached_tokens: seq.as_ref().and_then(|s| s.cached_tokens).unwrap_or(0),
         preemptions: seq.as_ref().map_or(0, |s| s.preemptions),
+        draft_tokens: l.spec.drafted,
+        accepted_tokens: l.spec.accepted,
     };
     (l.sink)(Event::Finished {
         reason,

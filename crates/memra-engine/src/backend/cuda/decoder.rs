@@ -420,20 +420,40 @@ impl GpuDecoder {
             row_of[t as usize] = r;
         }
         let mut out: Vec<Option<RowOut>> = vec![None; picks.len()];
+        // Decodes as (sequence, token) rows.
         let (mut decodes, mut prompts): (Vec<usize>, Vec<usize>) =
             (0..batch.n_seqs()).partition(|&s| batch.seq_tokens(s).len() == 1);
+        let mut rows: Vec<(usize, usize)> = decodes
+            .iter()
+            .map(|&s| (s, batch.seq_tokens(s).start))
+            .collect();
         // Few decodes go through the mat-vec kernels, MAX_DECODE_ROWS a launch; from
         // gemm_decode_rows on, with the prompt chunks through the GEMM path instead (one
         // read of the weights for all of them; docs/engine.md has the measurements).
         if decodes.len() >= self.gemm_decode_rows {
             decodes.append(&mut prompts);
             prompts = std::mem::take(&mut decodes);
+            rows.clear();
+        } else {
+            // A short chunk (a speculative verify step: the last token and its drafts)
+            // while few rows decode: each token a row of the mat-vec kernels at its own
+            // position, over the sequence's blocks. The rows of a launch append their keys
+            // and values before any attends, and a later group runs after an earlier one,
+            // so each token sees the ones before it, as in a prompt batch.
+            prompts.retain(|&s| {
+                let r = batch.seq_tokens(s);
+                let short =
+                    r.len() <= MAX_DECODE_ROWS && rows.len() + r.len() < self.gemm_decode_rows;
+                if short {
+                    rows.extend(r.map(|t| (s, t)));
+                }
+                !short
+            });
         }
-        for group in decodes.chunks(MAX_DECODE_ROWS) {
+        for group in rows.chunks(MAX_DECODE_ROWS) {
             let mut sub = ForwardBatch::new(BLOCK_SIZE);
             let mut origin = Vec::new();
-            for &s in group {
-                let t = batch.seq_tokens(s).start;
+            for &(s, t) in group {
                 let r = row_of[t];
                 sub.push(
                     &batch.tokens[t..t + 1],

@@ -446,6 +446,7 @@ fn gpu_engine_batches_equal_alone() {
                             token_budget: budget,
                         },
                         n_ctx: ctx,
+                        spec: None,
                     },
                 );
                 let handles: Vec<_> = prompts
@@ -538,6 +539,7 @@ fn gpu_engine_constrained_sequences_match_their_schema() {
                     token_budget: 2048,
                 },
                 n_ctx: ctx,
+                spec: None,
             },
         );
         let grammar = engine

@@ -1,0 +1,55 @@
+//! The engine's side of speculative decoding (`crate::spec`): which sequences draft this
+//! step and how long, and how a verify step's rows turn into tokens.
+
+use crate::batch::RowOut;
+use crate::sampler::Sampler;
+use crate::spec::{ngram, verify, DraftLength, SpecConfig, Verdict};
+
+/// A sequence's speculation state.
+#[derive(Debug, Default)]
+pub(super) struct SpecState {
+    /// The drafts appended to the sequence for the step being planned.
+    pub draft: Vec<u32>,
+    pub length: DraftLength,
+    /// Drafted and accepted tokens so far.
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+/// Drafts for a decoding sequence whose tokens are `tokens`: prompt lookup, at most
+/// `room` tokens (what the request may still generate, less the token after the drafts);
+/// none when fewer than the minimum are found.
+pub(super) fn drafts_for(tokens: &[u32], c: &SpecConfig, s: &SpecState, room: usize) -> Vec<u32> {
+    let k = s.length.next(c).min(room);
+    if k == 0 {
+        return Vec::new();
+    }
+    let draft = ngram::propose(tokens, c.ngram, k);
+    if draft.len() < c.draft_min.max(1) {
+        return Vec::new();
+    }
+    draft
+}
+
+/// The tokens a verify step gives: its rows (the runner's greedy picks, or logits for the
+/// sampler) judged against the drafts they computed. Returns the verdict and whether the
+/// sampler has recorded its tokens already (it has when it judged logits).
+pub(super) fn judge(rows: Vec<RowOut>, drafts: &[u32], sampler: &mut Sampler) -> (Verdict, bool) {
+    debug_assert_eq!(rows.len(), drafts.len() + 1);
+    if rows.iter().all(|r| matches!(r, RowOut::Token(_))) {
+        // Plain greedy: the device picked each row's best token.
+        let ids: Vec<u32> = rows
+            .into_iter()
+            .map(|r| match r {
+                RowOut::Token(t) => t,
+                RowOut::Logits(_) => unreachable!("checked above"),
+            })
+            .collect();
+        let accepted = ids.iter().zip(drafts).take_while(|(t, d)| t == d).count();
+        let next = ids[accepted];
+        return (Verdict { accepted, next }, false);
+    }
+    let logits: Vec<Vec<f32>> = rows.into_iter().map(RowOut::into_logits).collect();
+    let refs: Vec<&[f32]> = logits.iter().map(|r| r.as_slice()).collect();
+    (verify(sampler, &refs, drafts, None), true)
+}
