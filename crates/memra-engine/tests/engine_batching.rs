@@ -548,7 +548,11 @@ fn speculative_greedy_decoding_gives_plain_decodings_tokens() {
             (2048, longest.div_ceil(16) * 16 + 16, "small pool"),
         ];
         // The real model (slow on the CPU) in one configuration; the tiny ones in all.
-        let configs = if name.starts_with("tiny") { &configs[..] } else { &configs[..1] };
+        let configs = if name.starts_with("tiny") {
+            &configs[..]
+        } else {
+            &configs[..1]
+        };
         for &(budget, kv, label) in configs {
             let got = run_all(&spec_engine(&model, budget, kv), &reqs);
             let (mut drafted, mut accepted) = (0, 0);

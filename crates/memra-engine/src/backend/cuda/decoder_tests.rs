@@ -595,3 +595,91 @@ fn gpu_engine_constrained_sequences_match_their_schema() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Speculative decoding on the GPU (prompt lookup, up to 7 drafts: the verify step's 8
+/// rows go through the decode kernels, as plain decoding's one row does): every prompt's
+/// greedy tokens equal the one-context API's plain decoding, and drafts are accepted.
+#[test]
+#[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
+fn gpu_speculative_greedy_equals_plain_decoding() {
+    use crate::engine::{Engine, EngineConfig, Event, GenerationParams, GpuBatchRunner, Request};
+    use crate::scheduler::SchedulerConfig;
+    use crate::spec::SpecConfig;
+    use std::sync::Arc;
+    let mut failures = Vec::new();
+    for path in test_models() {
+        let model = Arc::new(Model::load(std::path::Path::new(&path)).unwrap());
+        let (n, ctx) = (24, 512);
+        let mut prompts: Vec<Vec<u32>> = PROMPTS
+            .iter()
+            .map(|p| model.tokenizer.encode(p, true, true).unwrap())
+            .collect();
+        prompts.push(
+            model
+                .tokenizer
+                .encode("one two three four one two three four one two", true, true)
+                .unwrap(),
+        );
+        let mut gpu = GpuDecoder::new(0, &model.decoder, ctx).unwrap();
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| gpu_alone(&mut gpu, &model, p, n))
+            .collect();
+        drop(gpu);
+        let gpu = GpuDecoder::with_pool(0, &model.decoder, ctx, PoolSize::Tokens(ctx)).unwrap();
+        let engine = Engine::start(
+            model.clone(),
+            Box::new(GpuBatchRunner::new(gpu)),
+            EngineConfig {
+                scheduler: SchedulerConfig {
+                    max_running: 1,
+                    token_budget: 2048,
+                },
+                n_ctx: ctx,
+                spec: Some(SpecConfig {
+                    ngram: 3,
+                    draft_max: 7,
+                    draft_min: 1,
+                    max_batch: 1,
+                }),
+            },
+        );
+        let mut accepted = 0;
+        for (i, p) in prompts.iter().enumerate() {
+            let mut params = GenerationParams {
+                max_tokens: n,
+                ..GenerationParams::default()
+            };
+            params.sampler.temperature = 0.0;
+            let h = engine
+                .submit(Request {
+                    prompt: p.clone(),
+                    params,
+                })
+                .unwrap();
+            let mut ids = Vec::new();
+            for ev in h {
+                match ev {
+                    Event::Token(t) => ids.push(t.id),
+                    Event::Finished { usage, .. } => accepted += usage.accepted_tokens,
+                    Event::Error(e) => panic!("{path}: {e}"),
+                    Event::PromptScores(_) => {}
+                }
+            }
+            if ids != want[i] {
+                failures.push(format!(
+                    "{path}: prompt {i}: speculative {ids:?}, plain {:?}",
+                    want[i]
+                ));
+            }
+        }
+        eprintln!(
+            "{path}: speculative = plain on {} prompts, {accepted} drafts accepted",
+            prompts.len()
+        );
+        if accepted == 0 {
+            failures.push(format!("{path}: no draft accepted"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
