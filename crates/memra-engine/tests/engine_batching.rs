@@ -12,6 +12,7 @@ use memra_engine::engine::{
 use memra_engine::models::{LogitRows, Model};
 use memra_engine::sampler::{argmax, SamplerConfig};
 use memra_engine::scheduler::SchedulerConfig;
+use memra_engine::spec::draft::{check_vocab, DraftModel};
 use memra_engine::spec::SpecConfig;
 
 mod common;
@@ -609,24 +610,142 @@ fn speculative_sampling_keeps_the_distribution() {
             )
         })
         .collect();
-    let hist = |runs: &[(Vec<u32>, Usage)]| {
-        let mut h = std::collections::HashMap::new();
-        for (ids, _) in runs {
-            *h.entry((ids[1], ids[2])).or_insert(0usize) += 1;
-        }
-        h
-    };
     let plain = run_all(&engine(&model, N_CTX * 8, 8, 2048), &reqs);
     let spec = run_all(&spec_engine(&model, 2048, N_CTX * 8), &reqs);
     let drafted = spec.iter().filter(|(_, u)| u.draft_tokens > 0).count();
     assert!(drafted > n / 5, "only {drafted} of {n} sequences drafted");
-    let (a, b) = (hist(&plain), hist(&spec));
+    homogeneous(&plain, &spec, |ids| (ids[1], ids[2]));
+}
+
+fn draft_engine(target: &Arc<Model>, draft: &Arc<Model>, budget: usize, kv: usize) -> Engine {
+    check_vocab(target, draft).unwrap();
+    let d = DraftModel::new(
+        draft.clone(),
+        Box::new(CpuBatchRunner::new(draft.clone(), N_CTX * 8, 16)),
+    );
+    Engine::start_with_draft(
+        target.clone(),
+        Box::new(CpuBatchRunner::new(target.clone(), kv, 16)),
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running: 8,
+                token_budget: budget,
+            },
+            n_ctx: N_CTX,
+            spec: Some(SpecConfig {
+                ngram: 1,
+                draft_max: 5,
+                draft_min: 1,
+                max_batch: 8,
+            }),
+        },
+        Some(d),
+    )
+}
+
+/// A draft model at temperature 0: every sequence gets plain decoding's tokens, with
+/// another model drafting (tiny-qwen2 for tiny-llama: same vocabulary, other weights) and
+/// a model drafting for itself (every draft accepted), whole, chunked by a small budget,
+/// and in a pool that preempts.
+#[test]
+fn draft_model_greedy_decoding_gives_plain_decodings_tokens() {
+    for (target, draft) in [("tiny-llama", "tiny-qwen2"), ("tiny-qwen3", "tiny-qwen3")] {
+        let t = Arc::new(Model::load(&model_path(target)).unwrap());
+        let d = Arc::new(Model::load(&model_path(draft)).unwrap());
+        let n = 20;
+        let ps = prompts(&t);
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&t, p, n)).collect();
+        let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
+        let longest = ps.iter().map(|p| p.len()).max().unwrap() + n;
+        for (budget, kv, label) in [
+            (2048, N_CTX * 8, "whole"),
+            (5, N_CTX * 8, "budget 5"),
+            (2048, longest.div_ceil(16) * 16 + 16, "small pool"),
+        ] {
+            let got = run_all(&draft_engine(&t, &d, budget, kv), &reqs);
+            let (mut drafted, mut accepted) = (0, 0);
+            for (i, ((ids, usage), w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(ids, w, "{target} drafted by {draft}, {label}: prompt {i}");
+                drafted += usage.draft_tokens;
+                accepted += usage.accepted_tokens;
+            }
+            eprintln!("{target} drafted by {draft}, {label}: {accepted} of {drafted} accepted");
+            assert!(drafted > 0);
+            if target == draft && label != "budget 5" {
+                assert_eq!(accepted, drafted, "a model drafting for itself");
+            }
+        }
+    }
+}
+
+/// A draft model at temperature 1 over the whole vocabulary (a different model, so the
+/// draft's distribution differs from the target's: drafts are accepted and rejected): the
+/// joint distribution of the second and third tokens, in 4 x 4 classes of ids, is the same
+/// as without speculation (two-sample chi-square over 2,000 seeds).
+#[test]
+fn draft_model_sampling_keeps_the_distribution() {
+    let t = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let d = Arc::new(Model::load(&model_path("tiny-qwen2")).unwrap());
+    let prompt = t
+        .tokenizer
+        .encode("the cat sat on the mat", true, true)
+        .unwrap();
+    let n = 2000;
+    let reqs: Vec<Request> = (0..n)
+        .map(|i| {
+            request(
+                &prompt,
+                3,
+                SamplerConfig {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                    min_p: 0.0,
+                    seed: 5000 + i as u64,
+                    ..SamplerConfig::default()
+                },
+            )
+        })
+        .collect();
+    let plain = run_all(&engine(&t, N_CTX * 8, 8, 2048), &reqs);
+    let spec = run_all(&draft_engine(&t, &d, 2048, N_CTX * 8), &reqs);
+    let (drafted, accepted): (usize, usize) = spec.iter().fold((0, 0), |(a, b), (_, u)| {
+        (a + u.draft_tokens, b + u.accepted_tokens)
+    });
+    eprintln!("{accepted} of {drafted} drafts accepted");
+    assert!(
+        drafted > n * 9 / 10 && accepted > n / 10 && accepted < drafted,
+        "{accepted} of {drafted}"
+    );
+    // A run that ended early (an end-of-generation token) is a class of its own.
+    let class = |ids: &[u32], i: usize| ids.get(i).map_or(4, |t| t % 4);
+    homogeneous(&plain, &spec, |ids| (class(ids, 1), class(ids, 2)));
+}
+
+/// Two-sample chi-square of homogeneity over a class of each run's tokens, at the 0.1%
+/// level; classes with fewer than 20 draws in all pooled.
+fn homogeneous(
+    a: &[(Vec<u32>, Usage)],
+    b: &[(Vec<u32>, Usage)],
+    class: impl Fn(&[u32]) -> (u32, u32),
+) {
+    let hist = |runs: &[(Vec<u32>, Usage)]| {
+        let mut h = std::collections::HashMap::new();
+        for (ids, _) in runs {
+            *h.entry(class(ids)).or_insert(0usize) += 1;
+        }
+        h
+    };
+    let (a, b) = (hist(a), hist(b));
     let mut keys: Vec<_> = a.keys().chain(b.keys()).copied().collect();
     keys.sort();
     keys.dedup();
-    // Two-sample chi-square of homogeneity; categories with fewer than 10 expected draws
-    // pooled into one.
     let (mut chi, mut dof, mut rest) = (0.0f64, 0usize, (0usize, 0usize));
+    let mut add = |x: usize, y: usize| {
+        let e = (x + y) as f64 / 2.0;
+        chi += (x as f64 - e).powi(2) / e + (y as f64 - e).powi(2) / e;
+        dof += 1;
+    };
     for k in keys {
         let (x, y) = (
             a.get(&k).copied().unwrap_or(0),
@@ -634,21 +753,27 @@ fn speculative_sampling_keeps_the_distribution() {
         );
         if x + y < 20 {
             rest = (rest.0 + x, rest.1 + y);
-            continue;
+        } else {
+            add(x, y);
         }
-        let e = (x + y) as f64 / 2.0;
-        chi += (x as f64 - e).powi(2) / e + (y as f64 - e).powi(2) / e;
-        dof += 1;
     }
     if rest.0 + rest.1 > 0 {
-        let e = (rest.0 + rest.1) as f64 / 2.0;
-        chi += (rest.0 as f64 - e).powi(2) / e + (rest.1 as f64 - e).powi(2) / e;
-        dof += 1;
+        add(rest.0, rest.1);
     }
-    // 0.1% critical values of chi-square, df = categories - 1 (up to 9 are possible).
+    // 0.1% critical values of chi-square for 1..20 degrees of freedom (classes - 1).
     let critical = [
-        10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88,
+        10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53,
+        36.12, 37.70, 39.25, 40.79, 42.31, 43.82, 45.31,
     ][dof - 2];
-    eprintln!("chi-square {chi:.2} over {dof} categories ({drafted} of {n} drafted)");
+    eprintln!("chi-square {chi:.2} over {dof} classes");
     assert!(chi < critical, "chi-square {chi:.2} >= {critical}");
+}
+
+#[test]
+fn a_draft_with_another_vocabulary_is_refused() {
+    let t = Model::load(&model_path("qwen2.5-coder-0.5b-instruct-q4_k_m")).unwrap();
+    let d = Model::load(&model_path("tiny-llama")).unwrap();
+    let e = check_vocab(&t, &d).unwrap_err();
+    assert!(e.contains("vocabulary") && e.contains("267"), "{e}");
+    check_vocab(&d, &d).unwrap();
 }

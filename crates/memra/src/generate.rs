@@ -21,6 +21,7 @@ use memra_engine::kv::DEFAULT_BLOCK_SIZE;
 use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
 use memra_engine::scheduler::SchedulerConfig;
+use memra_engine::spec::draft::{check_vocab, DraftModel};
 use memra_engine::spec::SpecConfig;
 use memra_engine::tokenizer::template::{ChatInput, ChatTemplate};
 use memra_gguf::GgufFile;
@@ -77,6 +78,9 @@ pub struct SpecArgs {
     /// its prompt and output (N down to 1). Off by default.
     #[arg(long, value_name = "N")]
     pub spec_ngram: Option<usize>,
+    /// A draft model (a smaller one with the same vocabulary) drafts instead.
+    #[arg(long, value_name = "FILE")]
+    pub model_draft: Option<PathBuf>,
     /// Drafted tokens per step at most (the length adapts to recent acceptance). 7 keeps a
     /// GPU verify step of one sequence on the decode kernels (8 rows), so its tokens are
     /// exactly plain decoding's.
@@ -92,9 +96,10 @@ pub struct SpecArgs {
 
 impl SpecArgs {
     pub fn config(&self) -> Result<Option<SpecConfig>> {
-        let Some(ngram) = self.spec_ngram else {
+        if self.spec_ngram.is_none() && self.model_draft.is_none() {
             return Ok(None);
-        };
+        }
+        let ngram = self.spec_ngram.unwrap_or(1);
         let c = SpecConfig {
             ngram,
             draft_max: self.draft_max,
@@ -205,22 +210,7 @@ pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
             .context("cannot set the thread count")?;
     }
     let start = Instant::now();
-    let file = Arc::new(GgufFile::open(&args.model)?);
-    let bar = ProgressBar::new(file.file_size()).with_style(
-        ProgressStyle::with_template("loading [{bar:40}] {bytes}/{total_bytes}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    const PAGE: usize = 4096;
-    let mut touched = 0u8;
-    for (i, chunk) in file.bytes().chunks(64 << 20).enumerate() {
-        touched ^= chunk.iter().step_by(PAGE).fold(0, |a, &b| a ^ b);
-        bar.set_position(((i + 1) * (64 << 20)).min(file.bytes().len()) as u64);
-    }
-    std::hint::black_box(touched);
-    bar.finish_and_clear();
-    let model =
-        Model::from_file(file).with_context(|| format!("cannot load {}", args.model.display()))?;
+    let model = load_file(&args.model)?;
     let n_ctx = args
         .ctx
         .unwrap_or_else(|| DEFAULT_CTX.min(model.decoder.hp.n_ctx_train.max(1)));
@@ -237,6 +227,26 @@ pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
         rayon::current_num_threads()
     );
     Ok((model, n_ctx))
+}
+
+/// A model file, read with a progress bar (its pages touched once, so that the first
+/// forward does not wait on the disk).
+fn load_file(path: &std::path::Path) -> Result<Model> {
+    let file = Arc::new(GgufFile::open(path)?);
+    let bar = ProgressBar::new(file.file_size()).with_style(
+        ProgressStyle::with_template("loading [{bar:40}] {bytes}/{total_bytes}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    const PAGE: usize = 4096;
+    let mut touched = 0u8;
+    for (i, chunk) in file.bytes().chunks(64 << 20).enumerate() {
+        touched ^= chunk.iter().step_by(PAGE).fold(0, |a, &b| a ^ b);
+        bar.set_position(((i + 1) * (64 << 20)).min(file.bytes().len()) as u64);
+    }
+    std::hint::black_box(touched);
+    bar.finish_and_clear();
+    Model::from_file(file).with_context(|| format!("cannot load {}", path.display()))
 }
 
 /// The model on the chosen device, with a context of `n_ctx` positions.
@@ -326,6 +336,12 @@ pub fn start_engine(
         bail!("--batch-size must be at least 1");
     }
     let contexts = n_ctx * parallel;
+    let spec = args.spec.config()?;
+    // The draft first: on a GPU the target's pool takes a share of what is left.
+    let draft = match &args.spec.model_draft {
+        Some(path) => Some(load_draft(args, path, &model, n_ctx, contexts)?),
+        None => None,
+    };
     let runner: Box<dyn BatchRunner> = match args.device() {
         Device::Cpu => {
             let kv_tokens = args.kv_tokens.unwrap_or(contexts);
@@ -351,7 +367,7 @@ pub fn start_engine(
             Box::new(GpuBatchRunner::new(gpu))
         }
     };
-    let engine = Engine::start(
+    let engine = Engine::start_with_draft(
         model,
         runner,
         EngineConfig {
@@ -360,11 +376,46 @@ pub fn start_engine(
                 token_budget: args.batch_size,
             },
             n_ctx,
-            spec: args.spec.config()?,
+            spec,
         },
+        draft,
     );
     eprintln!("{}", engine.info().pool);
     Ok(engine)
+}
+
+/// The draft model of `--model-draft`, refused unless it shares the target's vocabulary,
+/// on the target's device with room for `contexts` positions.
+fn load_draft(
+    args: &ModelArgs,
+    path: &std::path::Path,
+    target: &Model,
+    n_ctx: usize,
+    contexts: usize,
+) -> Result<DraftModel> {
+    let draft = Arc::new(load_file(path)?);
+    check_vocab(target, &draft)
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("cannot draft with {}", path.display()))?;
+    let runner: Box<dyn BatchRunner> = match args.device() {
+        Device::Cpu => Box::new(CpuBatchRunner::new(
+            draft.clone(),
+            contexts,
+            DEFAULT_BLOCK_SIZE,
+        )),
+        Device::Cuda => {
+            let opts = args.gpu_options(PoolSize::Tokens(contexts));
+            Box::new(GpuBatchRunner::new(GpuDecoder::with_options(
+                0,
+                &draft.decoder,
+                n_ctx,
+                opts,
+            )?))
+        }
+    };
+    let d = DraftModel::new(draft, runner);
+    eprintln!("{}", d.describe());
+    Ok(d)
 }
 
 /// Generates through the engine, giving each piece of text to `on_text` as it comes;

@@ -27,6 +27,7 @@ use crate::constraint::{Constraint, Grammar, GrammarError, Grammars};
 use crate::models::Model;
 use crate::sampler::{SamplerConfig, SamplerError};
 use crate::scheduler::{SchedulerConfig, SeqId};
+use crate::spec::draft::DraftModel;
 use crate::spec::SpecConfig;
 
 /// A backend that runs forward passes over a paged KV pool it owns.
@@ -243,6 +244,17 @@ pub struct Engine {
 impl Engine {
     /// Starts the engine thread over `runner`.
     pub fn start(model: Arc<Model>, runner: Box<dyn BatchRunner>, config: EngineConfig) -> Engine {
+        Engine::start_with_draft(model, runner, config, None)
+    }
+
+    /// [`Engine::start`], with a draft model for speculative decoding (used when
+    /// `config.spec` is set; its vocabulary checked by `spec::draft::check_vocab`).
+    pub fn start_with_draft(
+        model: Arc<Model>,
+        runner: Box<dyn BatchRunner>,
+        config: EngineConfig,
+        draft: Option<DraftModel>,
+    ) -> Engine {
         let info = EngineInfo {
             n_ctx: config.n_ctx,
             block_size: runner.block_size(),
@@ -257,7 +269,7 @@ impl Engine {
         let s = stats.clone();
         let worker = std::thread::Builder::new()
             .name("memra-engine".into())
-            .spawn(move || worker::run(m, runner, config.scheduler, config.spec, rx, &s))
+            .spawn(move || worker::run(m, runner, config.scheduler, config.spec, draft, rx, &s))
             .expect("spawn the engine thread");
         Engine {
             model,

@@ -2,25 +2,32 @@
 //! step and how long, and how a verify step's rows turn into tokens.
 
 use crate::batch::RowOut;
-use crate::sampler::Sampler;
+use crate::sampler::{Distribution, Sampler};
 use crate::spec::{ngram, verify, DraftLength, SpecConfig, Verdict};
 
 /// A sequence's speculation state.
 #[derive(Debug, Default)]
 pub(super) struct SpecState {
-    /// The drafts appended to the sequence for the step being planned.
+    /// The drafts appended to the sequence for the step being planned, and the
+    /// distributions a draft model drew them from (none for prompt lookup and greedy
+    /// drafts).
     pub draft: Vec<u32>,
+    pub q: Option<Vec<Distribution>>,
     pub length: DraftLength,
     /// Drafted and accepted tokens so far.
     pub drafted: usize,
     pub accepted: usize,
 }
 
-/// Drafts for a decoding sequence whose tokens are `tokens`: prompt lookup, at most
-/// `room` tokens (what the request may still generate, less the token after the drafts);
+/// How many tokens a sequence drafts: what its recent acceptance asks, at most `room`
+/// (what the request may still generate, less the token after the drafts).
+pub(super) fn draft_len(c: &SpecConfig, s: &SpecState, room: usize) -> usize {
+    s.length.next(c).min(room)
+}
+
+/// Prompt-lookup drafts for a decoding sequence whose tokens are `tokens`, at most `k`;
 /// none when fewer than the minimum are found.
-pub(super) fn drafts_for(tokens: &[u32], c: &SpecConfig, s: &SpecState, room: usize) -> Vec<u32> {
-    let k = s.length.next(c).min(room);
+pub(super) fn lookup_drafts(tokens: &[u32], c: &SpecConfig, k: usize) -> Vec<u32> {
     if k == 0 {
         return Vec::new();
     }
@@ -34,7 +41,12 @@ pub(super) fn drafts_for(tokens: &[u32], c: &SpecConfig, s: &SpecState, room: us
 /// The tokens a verify step gives: its rows (the runner's greedy picks, or logits for the
 /// sampler) judged against the drafts they computed. Returns the verdict and whether the
 /// sampler has recorded its tokens already (it has when it judged logits).
-pub(super) fn judge(rows: Vec<RowOut>, drafts: &[u32], sampler: &mut Sampler) -> (Verdict, bool) {
+pub(super) fn judge(
+    rows: Vec<RowOut>,
+    drafts: &[u32],
+    q: Option<&[Distribution]>,
+    sampler: &mut Sampler,
+) -> (Verdict, bool) {
     debug_assert_eq!(rows.len(), drafts.len() + 1);
     if rows.iter().all(|r| matches!(r, RowOut::Token(_))) {
         // Plain greedy: the device picked each row's best token.
@@ -51,5 +63,6 @@ pub(super) fn judge(rows: Vec<RowOut>, drafts: &[u32], sampler: &mut Sampler) ->
     }
     let logits: Vec<Vec<f32>> = rows.into_iter().map(RowOut::into_logits).collect();
     let refs: Vec<&[f32]> = logits.iter().map(|r| r.as_slice()).collect();
-    (verify(sampler, &refs, drafts, None), true)
+    let q = q.map(|q| &q[..drafts.len()]);
+    (verify(sampler, &refs, drafts, q), true)
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
-use super::speculate::{drafts_for, judge, SpecState};
+use super::speculate::{draft_len, judge, lookup_drafts, SpecState};
 use super::{
     BatchRunner, Command, Event, EventSink, FinishReason, Request, StatsCell, TokenEvent, Usage,
 };
@@ -17,6 +17,7 @@ use crate::kv::BlockManager;
 use crate::models::Model;
 use crate::sampler::Sampler;
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, Sequence, Step};
+use crate::spec::draft::DraftModel;
 use crate::spec::SpecConfig;
 use crate::stop::StopFilter;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -40,6 +41,7 @@ pub(super) fn run(
     mut runner: Box<dyn BatchRunner>,
     config: SchedulerConfig,
     spec: Option<SpecConfig>,
+    mut draft: Option<DraftModel>,
     rx: Receiver<Command>,
     stats: &StatsCell,
 ) {
@@ -104,7 +106,22 @@ pub(super) fn run(
             continue;
         }
         if let Some(c) = &spec {
-            add_drafts(&mut sched, &mut live, c);
+            if let Some(d) = draft.as_mut() {
+                d.retain(|id| live.contains_key(&id));
+            }
+            if let Err(e) = add_drafts(&mut sched, &mut live, c, draft.as_mut()) {
+                // The draft model failed: go on without it (every sequence decodes plainly;
+                // the text goes to stderr, where the server's log is).
+                eprintln!("memra: the draft model failed, speculation is off: {e}");
+                draft = None;
+                for (&id, l) in live.iter_mut() {
+                    if !l.spec.draft.is_empty() {
+                        sched.settle_draft(id, 0);
+                        l.spec.draft.clear();
+                        l.spec.q = None;
+                    }
+                }
+            }
         }
         let step = sched.schedule();
         // Drafts of sequences the step does not compute (preempted, or no budget left) go.
@@ -112,6 +129,7 @@ pub(super) fn run(
             if !l.spec.draft.is_empty() && !step.seqs.iter().any(|s| s.id == id) {
                 sched.settle_draft(id, 0);
                 l.spec.draft.clear();
+                l.spec.q = None;
             }
         }
         if step.seqs.is_empty() {
@@ -222,7 +240,7 @@ pub(super) fn run(
             let seq_rows: Vec<RowOut> = outputs.by_ref().take(n_rows).collect();
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
             if !l.spec.draft.is_empty() {
-                if let Err(e) = settle(tok, l, seq_rows, &mut sched, s) {
+                if let Err(e) = settle(tok, l, seq_rows, &mut sched, s, draft.as_mut()) {
                     match e {
                         Ok(reason) => finish(&mut sched, &mut live, s.id, reason),
                         Err(e) => fail(&mut sched, &mut live, s.id, &e),
@@ -469,12 +487,19 @@ enum Pick<'a> {
 }
 
 /// Appends drafts to the sequences that decode this step and can speculate: while few
-/// sequences run, no grammar, log-probabilities or prompt scoring.
-fn add_drafts(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, c: &SpecConfig) {
+/// sequences run, no grammar, log-probabilities or prompt scoring. Drafts come from the
+/// draft model where there is one (its error is returned), else from prompt lookup.
+fn add_drafts(
+    sched: &mut Scheduler,
+    live: &mut HashMap<SeqId, Live>,
+    c: &SpecConfig,
+    draft: Option<&mut DraftModel>,
+) -> Result<(), String> {
     if sched.num_running() > c.max_batch {
-        return;
+        return Ok(());
     }
-    for (&id, l) in live.iter_mut() {
+    let mut want: Vec<(SeqId, usize)> = Vec::new();
+    for (&id, l) in live.iter() {
         let p = &l.request.params;
         if p.constraint.is_some() || p.logprobs.is_some() || p.score_from.is_some() {
             continue;
@@ -486,12 +511,45 @@ fn add_drafts(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, c: &SpecCo
         // The drafts and the token after them stay within max_tokens (and so within the
         // context, which the request was checked against).
         let room = p.max_tokens.saturating_sub(l.generated + 1);
-        let draft = drafts_for(&seq.tokens, c, &l.spec, room);
-        if !draft.is_empty() {
-            sched.add_draft(id, &draft);
-            l.spec.draft = draft;
+        let k = draft_len(c, &l.spec, room);
+        if k >= c.draft_min.max(1) {
+            want.push((id, k));
         }
     }
+    // In admission order, so that a run repeats exactly (the map's order does not).
+    want.sort_unstable();
+    let Some(draft) = draft else {
+        for (id, k) in want {
+            let tokens = &sched.get(id).expect("running").tokens;
+            let d = lookup_drafts(tokens, c, k);
+            if !d.is_empty() {
+                sched.add_draft(id, &d);
+                live.get_mut(&id).expect("live").spec.draft = d;
+            }
+        }
+        return Ok(());
+    };
+    let asks: Vec<_> = want
+        .iter()
+        .map(|&(id, k)| {
+            let tokens = sched.get(id).expect("running").tokens.as_slice();
+            (id, tokens, k, &live[&id].request.params.sampler)
+        })
+        .collect();
+    let mut proposals = draft.propose(&asks)?;
+    for (id, _) in want {
+        let Some(p) = proposals.remove(&id) else {
+            continue;
+        };
+        if p.tokens.is_empty() {
+            continue;
+        }
+        sched.add_draft(id, &p.tokens);
+        let l = live.get_mut(&id).expect("live");
+        l.spec.draft = p.tokens;
+        l.spec.q = p.q;
+    }
+    Ok(())
 }
 
 /// A verify step's result for one sequence: the drafts it accepted and its own next token
@@ -502,17 +560,23 @@ fn settle(
     rows: Vec<RowOut>,
     sched: &mut Scheduler,
     s: &Scheduled,
+    draft: Option<&mut DraftModel>,
 ) -> Result<(), Result<FinishReason, String>> {
-    let draft = std::mem::take(&mut l.spec.draft);
+    let drafted = std::mem::take(&mut l.spec.draft);
+    let q = l.spec.q.take();
     // The step computed the last token and `s.n - 1` drafts (fewer than drafted when the
     // budget cut the chunk).
-    let computed = &draft[..s.n - 1];
+    let computed = &drafted[..s.n - 1];
     let sampler = l
         .sampler
         .as_mut()
         .expect("a verify step leaves the sampler");
-    let (v, recorded) = judge(rows, computed, sampler);
+    let (v, recorded) = judge(rows, computed, q.as_deref(), sampler);
     sched.settle_draft(s.id, v.accepted);
+    if let Some(d) = draft {
+        // The draft's own keys and values hold until the first rejected draft.
+        d.settle(s.id, s.start + 1 + v.accepted);
+    }
     l.spec.drafted += computed.len();
     l.spec.accepted += v.accepted;
     l.spec.length.record(v.accepted);

@@ -3,13 +3,15 @@
 //! while decoding is bound by reading the weights, so every accepted draft is a token
 //! almost for free).
 //!
-//! Drafts come from prompt lookup ([`ngram`]: the sequence's own earlier tokens).
+//! Drafts come from prompt lookup ([`ngram`]: the sequence's own earlier tokens) or from a
+//! smaller model with the same vocabulary ([`draft`]).
 //! [`verify`] accepts a prefix of them so that the output is distributed exactly as plain
 //! decoding's: at temperature 0 the very tokens plain decoding gives, above it the
 //! standard rejection rule (accept a draft with probability min(1, p/q), else draw from the
 //! normalized residual max(0, p - q)), where p is the sampler's distribution for the row
 //! (after its penalties, bias and filters) and q the draft's.
 
+pub mod draft;
 pub mod ngram;
 mod verify;
 
@@ -18,7 +20,8 @@ pub use verify::{verify, Verdict};
 /// How a sequence speculates.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SpecConfig {
-    /// Prompt lookup: match the last `ngram` tokens (down to 1) earlier in the sequence.
+    /// Prompt lookup: match the last `ngram` tokens (down to 1) earlier in the sequence
+    /// (unused with a draft model).
     pub ngram: usize,
     /// Drafted tokens per step at most, and at least (fewer found: no speculation).
     pub draft_max: usize,
