@@ -8,6 +8,7 @@
 //! `Engine::submit_with`, whose sink (on the engine thread) forwards events into a tokio
 //! channel and reports a closed channel, which cancels the request.
 
+mod call_stream;
 pub mod error;
 pub mod metrics;
 mod openai;

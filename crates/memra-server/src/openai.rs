@@ -26,10 +26,11 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tracing::Instrument;
 
+use crate::call_stream::{call_deltas, CallStream};
 use crate::error::ApiError;
 use crate::params::{self, Endpoint, Fields, Prompt};
 use crate::structured::{self, OutputGrammar, ToolChoice, ToolRequest};
-use crate::tools::{self, Tool, ToolFormat};
+use crate::tools::{self, ToolParse};
 use crate::{json_body, request_id_header, unix_time, unix_time_micros, AppState, Ready};
 
 pub(crate) async fn chat(
@@ -64,19 +65,6 @@ struct Job {
     logprobs: Option<usize>,
     /// Chat with tools the model may call: how to find the calls in its output.
     tools: Option<ToolParse>,
-}
-
-/// How a chat request's output is searched for tool calls.
-struct ToolParse {
-    format: ToolFormat,
-    tools: Vec<Tool>,
-    parallel: bool,
-}
-
-impl ToolParse {
-    fn parse(&self, text: &str) -> tools::Parsed {
-        tools::parse(self.format, text, &self.tools, self.parallel)
-    }
 }
 
 async fn handle(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, ep: Endpoint) -> Response {
@@ -645,20 +633,6 @@ struct Streamer {
     done: bool,
 }
 
-/// A choice's text while it may hold tool calls: what may start one waits for the end,
-/// where the whole text is parsed as a non-streamed response's is (so both give the same
-/// calls), and the calls go out as OpenAI streams them.
-#[derive(Default)]
-struct CallStream {
-    text: String,
-    sent: usize,
-    /// A call has started: everything from `sent` on waits for the end.
-    in_call: bool,
-}
-
-/// Pieces of a call's arguments per chunk (OpenAI streams them in pieces).
-const ARGUMENT_PIECE_CHARS: usize = 16;
-
 impl Streamer {
     fn chunk(&self, choices: Vec<Value>) -> SseEvent {
         let object = match self.job.endpoint {
@@ -722,68 +696,24 @@ impl Streamer {
         }
     }
 
-    /// Text of choice `i` that can go out as content now (none may start a tool call).
-    fn releasable(&mut self, i: usize, text: &str) -> String {
-        let Some(tp) = &self.job.tools else {
-            return text.to_string();
-        };
-        let cs = &mut self.calls[i];
-        cs.text.push_str(text);
-        if cs.in_call {
-            return String::new();
-        }
-        let pending = &cs.text[cs.sent..];
-        let start = tools::call_start(tp.format, pending, cs.sent == 0);
-        let k = start.unwrap_or(pending.len());
-        let out = pending[..k].to_string();
-        // A Hermes block that has begun holds everything after it; a partial marker, or a
-        // reply that may be a JSON call, waits for more text.
-        cs.in_call = tp.format == ToolFormat::Hermes && pending[k..].starts_with("<tool_call>");
-        cs.sent += k;
-        out
-    }
-
     /// The end of choice `i` with tools: the held text parsed; the calls, or the text.
     fn finish_calls(&mut self, i: usize, text: &str) -> Option<&'static str> {
         let tp = self.job.tools.as_ref()?;
-        let cs = &mut self.calls[i];
-        cs.text.push_str(text);
-        let parsed = tp.parse(&cs.text);
-        if parsed.calls.is_empty() {
-            let rest = cs.text[cs.sent..].to_string();
-            cs.sent = cs.text.len();
-            if !rest.is_empty() {
-                let c = self.piece(i, &rest, &[]);
-                let ev = self.chunk(vec![c]);
-                self.queue.push_back(ev);
-            }
+        let (rest, calls) = self.calls[i].finish(tp, text);
+        if !rest.is_empty() {
+            let c = self.piece(i, &rest, &[]);
+            let ev = self.chunk(vec![c]);
+            self.queue.push_back(ev);
+        }
+        if calls.is_empty() {
             return None;
         }
-        for (j, call) in parsed.calls.iter().enumerate() {
-            let first = json!({
-                "index": i,
-                "delta": {"tool_calls": [{
-                    "index": j, "id": tools::call_id(), "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }]},
-                "logprobs": null,
-                "finish_reason": null,
+        for delta in call_deltas(&calls) {
+            let c = json!({
+                "index": i, "delta": {"tool_calls": delta}, "logprobs": null, "finish_reason": null,
             });
-            let ev = self.chunk(vec![first]);
+            let ev = self.chunk(vec![c]);
             self.queue.push_back(ev);
-            let args: Vec<char> = call.arguments_json().chars().collect();
-            for piece in args.chunks(ARGUMENT_PIECE_CHARS) {
-                let c = json!({
-                    "index": i,
-                    "delta": {"tool_calls": [{
-                        "index": j, "function": {"arguments": piece.iter().collect::<String>()},
-                    }]},
-                    "logprobs": null,
-                    "finish_reason": null,
-                });
-                let ev = self.chunk(vec![c]);
-                self.queue.push_back(ev);
-            }
         }
         Some("tool_calls")
     }
@@ -792,7 +722,8 @@ impl Streamer {
         match e {
             Event::Token(t) if self.job.tools.is_some() => {
                 // Log-probabilities are not streamed while tool calls may come.
-                let text = self.releasable(i, &t.text);
+                let tp = self.job.tools.as_ref().expect("tools");
+                let text = self.calls[i].push(tp, &t.text);
                 if !text.is_empty() {
                     let c = self.piece(i, &text, &[]);
                     let ev = self.chunk(vec![c]);

@@ -84,6 +84,19 @@ impl Call {
     }
 }
 
+/// How a chat request's output is searched for tool calls.
+pub struct ToolParse {
+    pub format: ToolFormat,
+    pub tools: Vec<Tool>,
+    pub parallel: bool,
+}
+
+impl ToolParse {
+    pub fn parse(&self, text: &str) -> Parsed {
+        parse(self.format, text, &self.tools, self.parallel)
+    }
+}
+
 /// The output as text before the calls (if any) and the calls.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Parsed {
@@ -91,7 +104,7 @@ pub struct Parsed {
     pub calls: Vec<Call>,
 }
 
-const HERMES_OPEN: &str = "<tool_call>";
+pub const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
 

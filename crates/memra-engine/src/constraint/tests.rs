@@ -201,6 +201,27 @@ fn json_object_schema_ends_when_complete_with_json_dumps_separators() {
     assert!(!feed(&mut c, "[1]"));
 }
 
+/// Local `$ref`s resolve, and Lark embeds a schema with `%json` (what the server's tool
+/// call grammars do).
+#[test]
+fn refs_and_embedded_schemas_compile() {
+    let grammars = Grammars::new(&test_vocab()).unwrap();
+    let g = Grammar::JsonSchema(json!({
+        "$defs": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "type": "array", "items": {"$ref": "#/$defs/digit"}, "maxItems": 2,
+    }));
+    let mut c = grammars.compile(&g).unwrap();
+    assert!(feed(&mut c, "[1, 2]") && c.is_finished());
+    assert!(!feed(&mut grammars.compile(&g).unwrap(), "[12"));
+    let lark = "start: \"<c>\" j \"</c>\"\nj: %json {\"type\": \"integer\", \"minimum\": 0, \"maximum\": 9}\n";
+    let mut c = grammars.compile(&Grammar::Lark(lark.into())).unwrap();
+    assert!(feed(&mut c, "<c>7</c>") && c.is_finished());
+    assert!(!feed(
+        &mut grammars.compile(&Grammar::Lark(lark.into())).unwrap(),
+        "<c>10"
+    ));
+}
+
 #[test]
 fn bad_grammars_are_errors_naming_the_problem() {
     let grammars = Grammars::new(&test_vocab()).unwrap();
