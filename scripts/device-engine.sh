@@ -3,9 +3,11 @@
 # GPU checks: the attention and sampling kernels under compute-sanitizer (memcheck,
 # racecheck) and the decoder's paths under memcheck, every GPU test on the tiny models and
 # synthetic llama3-1b, perplexity and chat through the engine, one-sequence speed (`memra
-# bench`) and batched speed (`memra bench --batched`, both sides of its choosers, with
-# and without a shared prefix) on synthetic llama3-8b Q4_K_M. Logs go to $OUT (or /tmp, at
-# most 8 files: what the device tool brings back); a short summary is printed.
+# bench`), batched speed (`memra bench --batched`, with and without a shared prefix, and
+# with half the sequences held to a JSON schema) and speculative decoding (prompt lookup
+# and a draft model: the same text, and the rates) on synthetic llama3-8b Q4_K_M. Logs go
+# to $OUT (or /tmp, at most 8 files: what the device tool brings back); a short summary
+# is printed.
 set -u
 out=${OUT:-/tmp}
 m=${MEMRA_DEVICE_MODELS:-/tmp/memra-models}
@@ -19,7 +21,7 @@ synth() { # shape quant
   echo "$f"
 }
 for tool in memcheck racecheck; do
-  for t in gpu_attention gpu_sampling; do
+  for t in gpu_attention gpu_sampling gpu_token_mask; do
     compute-sanitizer --tool $tool --error-exitcode 9 .device/engine-tests --ignored $t \
       >>"$out/sanitizer.log" 2>&1 && echo "compute-sanitizer $tool: $t clean" \
       || { echo "compute-sanitizer $tool: $t FAILED (see sanitizer.log)"; status=1; }
@@ -40,22 +42,30 @@ MEMRA_GPU_TEST_MODELS="$tiny,$q40,$q4km" timeout 300 .device/engine-tests --igno
 grep -E "^test |test result|panicked|preemptions|sequences' decode| us\)" "$out/tests.log"
 # The engine's command-line clients on the GPU (tiny model).
 .device/memra perplexity -m .device/tiny/tiny-llama.gguf -f .device/GPL-3 -c 128 --chunks 4 --device cuda \
-  2>"$out/perplexity.log" | tail -n 2
+  2>"$out/clients.log" | tail -n 2
 printf 'Hello there\nAnd again\n' | .device/memra chat -m .device/tiny/tiny-llama.gguf -n 8 --temp 0 --template chatml \
-  --device cuda >"$out/chat.log" 2>&1 && echo "chat --device cuda: ok ($(wc -c <"$out/chat.log") bytes)" \
+  --device cuda >>"$out/clients.log" 2>&1 && echo "chat --device cuda: ok" \
   || { echo "chat --device cuda: FAILED"; status=1; }
 f8=$(synth llama3-8b q4_k_m)
 .device/memra bench -m "$f8" -p 512 -n 128 -d 0,4096 -r 3 --device cuda 2>"$out/bench.log" | tee "$out/bench.md"
-.device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,8,16,32,64,256 --device cuda 2>"$out/batched.log" \
+.device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,16,64,256 --device cuda 2>"$out/batched.log" \
   | tee "$out/batched.md"
-# The choosers' other sides: without f16 weight copies (dequantized per batch), the prompt
-# attention for the decodes of a batch, and the GEMM path from 2 decodes against the
-# mat-vec kernels up to 8.
+# Structured output's cost (issue 13): half of 64 sequences held to a JSON schema that
+# does not end early, against none.
 bb() { .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 --device cuda "$@" 2>>"$out/batched.log"; }
-echo "--f16-weights off:"; bb -npl 16,64,256 --f16-weights off | tail -n 3
-echo "MEMRA_BATCH_DECODE_ATTENTION=0:"; MEMRA_BATCH_DECODE_ATTENTION=0 bb -npl 16,64,256 | tail -n 3
-echo "MEMRA_GEMM_DECODE_ROWS=2:"; MEMRA_GEMM_DECODE_ROWS=2 bb -npl 2,4,8 | tail -n 3
-echo "default:"; bb -npl 2,4 | tail -n 2
+echo "constrained 0 / 0.5 of 64:"
+bb -npl 64 | tail -n 1
+bb -npl 64 --json-schema scripts/data/bench-schema.json --constrained-frac 0.5 | tail -n 1
+# Speculative decoding (issue 15) on the GPU: greedy output equal with and without, the
+# rate of each (a synthetic model's text loops, so prompt lookup finds drafts).
+q1=$(synth llama3-1b q4_k_m)
+gen() { .device/memra run -m "$f8" --device cuda --temp 0 -n 256 -p "Once upon a time" "$@"; }
+plain=$(gen 2>"$out/spec.log")
+for s in "--spec-ngram 3" "--model-draft $q1"; do
+  got=$(gen $s 2>>"$out/spec.log")
+  [ "$got" == "$plain" ] && echo "speculative ($s): same text" || { echo "speculative ($s): DIFFERENT"; status=1; }
+done
+grep "^prompt:" "$out/spec.log"
 for sp in 0 1024; do
   .device/memra bench --batched -m "$f8" -npp 1152 -ntg 16 -npl 64 --shared-prefix $sp --device cuda \
     2>>"$out/batched.log" | tail -n 1
