@@ -49,15 +49,14 @@ impl Forward for CpuTensorParallel {
 fn run(f: &mut dyn Forward, n_vocab: usize, n: usize) -> (Vec<f32>, Vec<u32>) {
     let batch = prompt_batch();
     let logits = f.run(&batch);
-    let mut pos = batch.seq_tokens(0).len();
-    let mut tok = argmax(&logits[(pos - 1) * n_vocab..pos * n_vocab]);
+    let p0 = batch.seq_tokens(0).len();
+    let mut tok = argmax(&logits[(p0 - 1) * n_vocab..p0 * n_vocab]);
     let mut out = vec![tok];
-    for _ in 1..n {
+    for pos in p0..p0 + n - 1 {
         let mut step = ForwardBatch::new(BLOCK);
         step.push(&[tok], pos, &[0, 1, 2], 0..1);
         tok = argmax(&f.run(&step));
         out.push(tok);
-        pos += 1;
     }
     (logits, out)
 }

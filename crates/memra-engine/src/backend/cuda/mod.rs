@@ -90,6 +90,15 @@ pub fn usable_gpu() -> bool {
     built_arch().is_some() && CudaDevice::new(0).is_ok()
 }
 
+/// GPUs the driver sees (0 without a driver), whatever their architecture.
+pub fn gpu_count() -> Result<usize, CudaError> {
+    // SAFETY: only probes whether the library can be opened (cudarc panics otherwise).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Ok(0);
+    }
+    Ok(CudaContext::device_count()?.max(0) as usize)
+}
+
 /// The build architecture that runs on a compute capability (as build.rs picks it).
 pub fn arch_for(major: i32, minor: i32) -> String {
     match (major, minor) {
