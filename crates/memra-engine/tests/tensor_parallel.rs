@@ -7,11 +7,14 @@ mod common;
 
 use memra_engine::backend::cpu::kv::KvPool;
 use memra_engine::batch::ForwardBatch;
+use memra_engine::models::weights::WeightRows;
 use memra_engine::models::Model;
 use memra_engine::parallel::{CpuTensorParallel, ParallelError};
 use memra_engine::sampler::argmax;
 use memra_engine::synth::shapes::{shape, QuantMix, Shape};
 use memra_engine::synth::write_model;
+use memra_gguf::quant::dequantize_to_vec;
+use memra_gguf::GgmlType;
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 8;
@@ -238,4 +241,25 @@ fn models_that_do_not_split_are_refused_with_the_reason() {
     }
     let e = refusal("tiny-llama", 0);
     assert!(matches!(e, ParallelError::World(0)), "{e}");
+}
+
+#[test]
+fn a_column_share_holds_those_columns_of_every_row() {
+    let model = Model::load(&common::model_path("tiny-qwen3")).unwrap();
+    let wo = &model.decoder.layers[0].wo; // Q5_0, 512 columns, 256 rows
+    assert_eq!((wo.ty(), wo.n_in(), wo.n_out()), (GgmlType::Q5_0, 512, 256));
+    let share = wo.columns(256, 256).unwrap();
+    let packed = share.packed();
+    let rb = packed.len() / share.n_out();
+    for r in [0, 7, 255] {
+        let part = dequantize_to_vec(wo.ty(), &packed[r * rb..(r + 1) * rb]).unwrap();
+        assert_eq!(part, wo.row_f32(r)[256..512]);
+    }
+    let rows = wo.rows(8, 4);
+    assert_eq!(rows.row_f32(0), wo.row_f32(8));
+    assert!(
+        wo.columns(16, 256).is_none(),
+        "cuts Q5_0's 32-weight blocks"
+    );
+    assert!(wo.columns(256, 288).is_none(), "past the row");
 }

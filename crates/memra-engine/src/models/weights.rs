@@ -1,6 +1,7 @@
 //! Weights as views into the mapped GGUF file, found by GGUF tensor name and checked
 //! against the shapes the architecture expects.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use memra_gguf::quant::{can_dequantize, dequantize_to_vec};
@@ -142,15 +143,24 @@ impl Linear {
         self.n_in == self.tensor.info.dims[0] as usize
     }
 
-    /// The rows' bytes, contiguous in the file. Only whole rows are contiguous: a column
-    /// share has no such slice (see [`Linear::columns`]).
-    pub fn bytes(&self) -> &[u8] {
-        assert!(
-            self.full_width(),
-            "a column share of a matrix is not contiguous"
-        );
-        let start = self.first_row * self.row_bytes;
-        &self.tensor.bytes()[start..start + self.n_out * self.row_bytes]
+    /// Bytes of the rows (of this matrix's columns).
+    pub fn byte_len(&self) -> usize {
+        self.n_out
+            * self
+                .ty()
+                .row_bytes(self.n_in as u64)
+                .expect("block-aligned") as usize
+    }
+
+    /// The rows' bytes, one after the other: borrowed from the file for whole rows,
+    /// copied together for a column share (a tensor-parallel rank's wo and down), whose
+    /// rows are apart in the file.
+    pub fn packed(&self) -> Cow<'_, [u8]> {
+        if self.full_width() {
+            let start = self.first_row * self.row_bytes;
+            return Cow::Borrowed(&self.tensor.bytes()[start..start + self.n_out * self.row_bytes]);
+        }
+        Cow::Owned((0..self.n_out).flat_map(|r| self.row(r)).copied().collect())
     }
 
     /// Rows `first .. first + n` of this matrix (a row-major quantized matrix splits
