@@ -418,3 +418,31 @@ fn stats_show_running_sequences_and_their_blocks_then_free_ones() {
     }
     assert_eq!(e.stats().waiting, 0);
 }
+
+#[test]
+fn tensor_parallel_ranks_batched_give_each_sequence_its_tokens_alone() {
+    // tiny-qwen3 is the tiny model that splits over 2 ranks (docs/parallel.md); budget 17
+    // chunks the prompts, so prompt chunks and decodes share steps.
+    let model = Arc::new(Model::load(&model_path("tiny-qwen3")).unwrap());
+    let runner = CpuBatchRunner::tensor_parallel(model.clone(), 2, 6 * N_CTX, 16).unwrap();
+    let e = Engine::start(
+        model.clone(),
+        Box::new(runner),
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running: 6,
+                token_budget: 17,
+            },
+            n_ctx: N_CTX,
+        },
+    );
+    assert!(e.info().pool.contains("split over 2 tensor-parallel ranks"));
+    let prompts = prompts(&model);
+    let reqs: Vec<_> = prompts
+        .iter()
+        .map(|p| request(p, 12, greedy_config()))
+        .collect();
+    for (p, (ids, _)) in prompts.iter().zip(run_all(&e, &reqs)) {
+        assert_eq!(ids, alone(&model, p, 12));
+    }
+}

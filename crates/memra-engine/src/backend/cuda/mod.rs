@@ -96,7 +96,12 @@ pub fn gpu_count() -> Result<usize, CudaError> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Ok(0);
     }
-    Ok(CudaContext::device_count()?.max(0) as usize)
+    match CudaContext::device_count() {
+        Ok(n) => Ok(n.max(0) as usize),
+        // A driver with no GPU to drive (cuInit says so).
+        Err(DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE)) => Ok(0),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// The build architecture that runs on a compute capability (as build.rs picks it).
