@@ -2,7 +2,7 @@
 //! here (N ranks on threads of one process, host buffers), NCCL in `nccl.rs` (device
 //! buffers). Every rank makes the same calls in the same order, as NCCL requires.
 
-use std::sync::{Barrier, Mutex};
+use std::sync::{Condvar, Mutex};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
@@ -12,6 +12,8 @@ pub enum CollectiveError {
     Root { root: usize, world: usize },
     #[error("{0}")]
     Nccl(String),
+    #[error("another rank of the group failed")]
+    Aborted,
 }
 
 /// One rank's end of a communicator over `world_size` ranks. `Buf` is where the data lives:
@@ -34,7 +36,56 @@ pub type HostCollective = dyn Collective<Buf = [f32]>;
 /// The state the ranks of one in-process group share: one slot per rank and a barrier.
 struct Shared {
     slots: Vec<Mutex<Vec<f32>>>,
-    barrier: Barrier,
+    barrier: Gate,
+}
+
+/// A barrier that a failing rank can break, so that the ranks waiting for it return an
+/// error instead of waiting forever (`std::sync::Barrier` cannot be broken).
+struct Gate {
+    state: Mutex<GateState>,
+    turned: Condvar,
+    n: usize,
+}
+
+#[derive(Default)]
+struct GateState {
+    arrived: usize,
+    /// Counts the times every rank arrived, so a rank can tell its wait is over.
+    generation: u64,
+    broken: bool,
+}
+
+impl Gate {
+    fn wait(&self) -> Result<(), CollectiveError> {
+        let mut s = self.state.lock().expect("gate lock");
+        if s.broken {
+            return Err(CollectiveError::Aborted);
+        }
+        let generation = s.generation;
+        s.arrived += 1;
+        if s.arrived == self.n {
+            s.arrived = 0;
+            s.generation += 1;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        while s.generation == generation && !s.broken {
+            s = self.turned.wait(s).expect("gate lock");
+        }
+        if s.broken {
+            return Err(CollectiveError::Aborted);
+        }
+        Ok(())
+    }
+
+    fn set_broken(&self, broken: bool) {
+        let mut s = self.state.lock().expect("gate lock");
+        *s = GateState {
+            broken,
+            ..GateState::default()
+        };
+        self.turned.notify_all();
+    }
 }
 
 /// The in-process communicator: `world_size` ranks, each on its own thread, exchanging
@@ -53,7 +104,11 @@ impl InProcess {
         assert!(n > 0, "a group needs a rank");
         let shared = std::sync::Arc::new(Shared {
             slots: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
-            barrier: Barrier::new(n),
+            barrier: Gate {
+                state: Mutex::new(GateState::default()),
+                turned: Condvar::new(),
+                n,
+            },
         });
         (0..n)
             .map(|rank| InProcess {
@@ -61,6 +116,19 @@ impl InProcess {
                 rank,
             })
             .collect()
+    }
+
+    /// Breaks the group: every rank waiting in an exchange, and every later exchange,
+    /// fails with [`CollectiveError::Aborted`] until [`InProcess::reset`]. What a rank
+    /// that fails (or panics) mid-pass calls, so the others do not wait for it forever.
+    pub fn abort(&self) {
+        self.shared.barrier.set_broken(true);
+    }
+
+    /// Makes a broken group usable again; only once no rank is inside an exchange (after
+    /// every rank's thread of the failed pass is joined).
+    pub fn reset(&self) {
+        self.shared.barrier.set_broken(false);
     }
 
     fn publish(&self, data: &[f32]) {
@@ -77,7 +145,7 @@ impl InProcess {
         mut read: impl FnMut(usize, &[f32]),
     ) -> Result<(), CollectiveError> {
         self.publish(data);
-        self.shared.barrier.wait();
+        self.shared.barrier.wait()?;
         let mismatch = self
             .shared
             .slots
@@ -89,7 +157,7 @@ impl InProcess {
                 read(rank, &slot.lock().expect("slot lock"));
             }
         }
-        self.shared.barrier.wait();
+        self.shared.barrier.wait()?;
         match mismatch {
             Some(len) => Err(CollectiveError::Shape(format!(
                 "rank {} has {} elements, another rank {len}",
@@ -215,6 +283,46 @@ mod tests {
             buf
         });
         assert!(out.iter().all(|b| *b == vec![2.0; 3]));
+    }
+
+    #[test]
+    fn a_failing_rank_releases_the_others_and_reset_restores_the_group() {
+        let group = InProcess::group(3);
+        let out: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        if c.rank() == 1 {
+                            c.abort();
+                            return Err(CollectiveError::Aborted);
+                        }
+                        c.all_reduce_sum(&mut [1.0])
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(out
+            .iter()
+            .all(|r| matches!(r, Err(CollectiveError::Aborted))));
+        group[0].reset();
+        let sums = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let mut b = [c.rank() as f32];
+                        c.all_reduce_sum(&mut b).map(|_| b[0])
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(sums, vec![3.0; 3]);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! ranks share the cores and add the exchanges), the same structure the GPUs take with
 //! NCCL: one thread per GPU, each running the one forward pass on its share.
 
-use super::collective::InProcess;
+use super::collective::{CollectiveError, InProcess};
 use super::{plan, ParallelError};
 use crate::backend::cpu::kv::KvPool;
 use crate::batch::ForwardBatch;
@@ -64,28 +64,50 @@ impl CpuTensorParallel {
     }
 
     /// [`Decoder::forward_batch`] over the ranks: each runs the batch on its share, the
-    /// logits come back whole (rank 0's copy; every rank gathers the same).
+    /// logits come back whole (rank 0's copy; every rank gathers the same). A rank that
+    /// fails or panics breaks the group, so the others stop at their next exchange instead
+    /// of waiting for it; the step fails (as a panicking backend's step does) and the group
+    /// is mended for the next.
     pub fn forward_batch(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>, ModelError> {
-        // Every rank checks the same batch the same way, so either all fail before their
-        // first exchange or none does: no rank is left waiting at a barrier. (A rank that
-        // panics mid-pass would leave the others waiting: the CPU backend does not panic
-        // on a valid batch.)
         let mut results = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
-                .map(|r| {
-                    s.spawn(move || {
-                        r.decoder
-                            .forward_batch_rank(&mut r.pool, batch, Some(&r.comm))
-                    })
-                })
+                .enumerate()
+                .map(|(i, r)| s.spawn(move || r.run(i, batch)))
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().expect("a rank panicked"))
+                .map(|h| h.join().expect("panics are caught in the rank"))
                 .collect::<Vec<_>>()
         });
+        if results.iter().any(|r| r.is_err()) {
+            self.ranks[0].comm.reset();
+            // The first rank's own failure, rather than another's report of it.
+            let i = results
+                .iter()
+                .position(|r| matches!(r, Err(e) if !matches!(e, ModelError::Collective(CollectiveError::Aborted))))
+                .unwrap_or(0);
+            return results.swap_remove(i);
+        }
         results.swap_remove(0)
+    }
+}
+
+impl Rank {
+    fn run(&mut self, index: usize, batch: &ForwardBatch) -> Result<Vec<f32>, ModelError> {
+        let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.decoder
+                .forward_batch_rank(&mut self.pool, batch, Some(&self.comm))
+        }));
+        let result = pass.unwrap_or_else(|_| {
+            Err(ModelError::Invalid(format!(
+                "tensor-parallel rank {index} panicked"
+            )))
+        });
+        if result.is_err() {
+            self.comm.abort();
+        }
+        result
     }
 }

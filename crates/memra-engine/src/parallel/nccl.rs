@@ -155,7 +155,8 @@ fn check(nccl: &Nccl, call: &str, code: c_int) -> Result<(), CollectiveError> {
 /// set `NCCL_NVLS_ENABLE=0` before NCCL reads its environment (at the first communicator).
 fn nvls_off() {
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        // SAFETY: called before any rank thread exists (communicators are made first).
+        // Set from the thread making the communicators, before NCCL first reads its
+        // environment; no other thread of memra reads or writes the environment.
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
 }
