@@ -9,6 +9,7 @@ pub mod engine;
 pub mod generate;
 pub mod kv;
 pub mod models;
+pub mod parallel;
 pub mod sampler;
 pub mod scheduler;
 pub mod spec;

@@ -777,3 +777,32 @@ fn a_draft_with_another_vocabulary_is_refused() {
     assert!(e.contains("vocabulary") && e.contains("267"), "{e}");
     check_vocab(&d, &d).unwrap();
 }
+
+#[test]
+fn tensor_parallel_ranks_batched_give_each_sequence_its_tokens_alone() {
+    // tiny-qwen3 is the tiny model that splits over 2 ranks (docs/parallel.md); budget 17
+    // chunks the prompts, so prompt chunks and decodes share steps.
+    let model = Arc::new(Model::load(&model_path("tiny-qwen3")).unwrap());
+    let runner = CpuBatchRunner::tensor_parallel(model.clone(), 2, 6 * N_CTX, 16).unwrap();
+    let e = Engine::start(
+        model.clone(),
+        Box::new(runner),
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running: 6,
+                token_budget: 17,
+            },
+            n_ctx: N_CTX,
+            spec: None,
+        },
+    );
+    assert!(e.info().pool.contains("split over 2 tensor-parallel ranks"));
+    let prompts = prompts(&model);
+    let reqs: Vec<_> = prompts
+        .iter()
+        .map(|p| request(p, 12, greedy_config()))
+        .collect();
+    for (p, (ids, _)) in prompts.iter().zip(run_all(&e, &reqs)) {
+        assert_eq!(ids, alone(&model, p, 12));
+    }
+}

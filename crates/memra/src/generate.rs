@@ -69,6 +69,15 @@ pub struct ModelArgs {
     pub f16_weights: F16Arg,
     #[command(flatten)]
     pub spec: SpecArgs,
+    /// Split the model over N ranks (`-tp N`): attention heads, FFN columns and the
+    /// vocabulary, Megatron-style. On the CPU the ranks are threads of this process (a
+    /// correctness path, not a faster one); on GPUs it needs N of them (not built yet:
+    /// docs/parallel.md).
+    #[arg(long = "tensor-parallel", default_value_t = 1)]
+    pub tensor_parallel: usize,
+    /// Split the layers over 2 GPUs in two stages (not built yet: docs/parallel.md).
+    #[arg(long = "pipeline-parallel", default_value_t = 1)]
+    pub pipeline_parallel: usize,
 }
 
 /// Speculative decoding: drafts of the next tokens verified in one forward pass.
@@ -131,6 +140,43 @@ impl ModelArgs {
 }
 
 impl ModelArgs {
+    /// Refuses what `--tensor-parallel` and `--pipeline-parallel` cannot do here, before
+    /// the model loads: zero ranks, both at once, more GPUs than the machine has, and the
+    /// GPU paths that are not built yet.
+    fn check_parallel(&self) -> Result<()> {
+        let (tp, pp) = (self.tensor_parallel, self.pipeline_parallel);
+        if tp == 0 {
+            bail!("--tensor-parallel must be at least 1");
+        }
+        if !(1..=2).contains(&pp) {
+            bail!("--pipeline-parallel takes 1 or 2 (a two-stage pipeline), not {pp}");
+        }
+        if tp > 1 && pp > 1 {
+            bail!("--tensor-parallel and --pipeline-parallel cannot be combined yet");
+        }
+        let device = self.device();
+        if pp > 1 && device == Device::Cpu {
+            bail!(
+                "--pipeline-parallel splits the layers over GPUs; on the CPU it would only add                  a hand-off (use --device cuda on a machine with 2 GPUs)"
+            );
+        }
+        if device == Device::Cuda && tp.max(pp) > 1 {
+            let (what, n) = if tp > 1 {
+                ("--tensor-parallel", tp)
+            } else {
+                ("--pipeline-parallel", pp)
+            };
+            let gpus = memra_engine::backend::cuda::gpu_count()?;
+            if gpus < n {
+                bail!("{what} {n} needs {n} GPUs; this machine has {gpus}");
+            }
+            bail!(
+                "{what} {n} on GPUs is not built yet (the CPU runs -tp as a correctness path,                  --device cpu; docs/parallel.md says what is left)"
+            );
+        }
+        Ok(())
+    }
+
     /// The device asked for, or the default: the GPU when one is usable.
     pub fn device(&self) -> Device {
         self.device.unwrap_or_else(|| {
@@ -197,6 +243,7 @@ const PROMPT_BATCH: usize = 512;
 /// Loads a model on the chosen device with a progress bar, reading the whole file once so
 /// the first tokens do not wait on page faults.
 pub fn load(args: &ModelArgs) -> Result<(Model, usize)> {
+    args.check_parallel()?;
     if args.device() == Device::Cuda && memra_engine::backend::cuda::built_arch().is_none() {
         bail!("{}", memra_engine::backend::cuda::CudaError::NoKernels);
     }
@@ -255,6 +302,9 @@ pub fn runner<'m>(
     model: &'m Model,
     n_ctx: usize,
 ) -> Result<Box<dyn Runner + 'm>> {
+    if args.tensor_parallel > 1 {
+        bail!("this command runs one context without the engine: --tensor-parallel is not built for it (memra bench --batched takes it)");
+    }
     Ok(match args.device() {
         Device::Cpu => Box::new(CpuRunner::new(&model.decoder, n_ctx, PROMPT_BATCH)),
         Device::Cuda => {
@@ -343,6 +393,15 @@ pub fn start_engine(
         None => None,
     };
     let runner: Box<dyn BatchRunner> = match args.device() {
+        Device::Cpu if args.tensor_parallel > 1 => {
+            let kv_tokens = args.kv_tokens.unwrap_or(contexts);
+            Box::new(CpuBatchRunner::tensor_parallel(
+                model.clone(),
+                args.tensor_parallel,
+                kv_tokens,
+                DEFAULT_BLOCK_SIZE,
+            )?)
+        }
         Device::Cpu => {
             let kv_tokens = args.kv_tokens.unwrap_or(contexts);
             Box::new(CpuBatchRunner::new(

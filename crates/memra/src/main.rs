@@ -229,7 +229,8 @@ enum Command {
 }
 
 /// llama-batched-bench spells its options with one dash (`-npp 128`), llama-server
-/// `-np 4`; clap would read that as `-n -p -p`, so they become `--npp`, `--parallel` first.
+/// `-np 4`, vLLM `-tp 2`; clap would read that as `-n -p -p`, so they become `--npp`,
+/// `--parallel`, `--tensor-parallel` first.
 /// `memra bench serve` takes no model (the server has it), so it is a command of its own
 /// that `bench serve` is rewritten to.
 fn args() -> Vec<std::ffi::OsString> {
@@ -237,6 +238,7 @@ fn args() -> Vec<std::ffi::OsString> {
         .map(|a| match a.to_str() {
             Some("-npp" | "-ntg" | "-npl") => format!("-{}", a.to_str().unwrap_or("")).into(),
             Some("-np") => "--parallel".into(),
+            Some("-tp") => "--tensor-parallel".into(),
             _ => a,
         })
         .collect();

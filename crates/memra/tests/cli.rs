@@ -787,3 +787,54 @@ fn run_holds_the_output_to_a_schema_or_grammar() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `memra run` greedy on a tiny model on `device` with `args` added: success, stdout and
+/// stderr.
+fn run_tiny(model: &str, device: &str, args: &[&str]) -> (bool, String, String) {
+    let m = tiny_model(model);
+    let mut all = vec!["run", "-m", m.to_str().unwrap(), "-p", "hello", "-n", "12"];
+    all.extend_from_slice(&["--temp", "0", "--device", device]);
+    all.extend_from_slice(args);
+    let o = memra(&all);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    (o.status.success(), stdout(&o), err)
+}
+
+#[test]
+fn tensor_parallel_on_the_cpu_generates_what_one_rank_does() {
+    let (ok, one, err) = run_tiny("tiny-qwen3.gguf", "cpu", &[]);
+    assert!(ok, "{err}");
+    let (ok, two, err) = run_tiny("tiny-qwen3.gguf", "cpu", &["-tp", "2"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("split over 2 tensor-parallel ranks"), "{err}");
+    assert!(!one.is_empty());
+    assert_eq!(one, two);
+}
+
+#[test]
+fn tensor_and_pipeline_parallel_refuse_what_they_cannot_do() {
+    let refused = |model: &str, device: &str, args: &[&str], want: &str| {
+        let (ok, _, err) = run_tiny(model, device, args);
+        assert!(!ok && err.contains(want), "{args:?}: {err}");
+    };
+    let q = "tiny-qwen3.gguf";
+    refused(
+        "tiny-gemma3.gguf",
+        "cpu",
+        &["-tp", "2"],
+        "1 KV heads do not split over 2 ranks",
+    );
+    refused(
+        "tiny-llama.gguf",
+        "cpu",
+        &["-tp", "2"],
+        "would cut its quant blocks",
+    );
+    refused(q, "cpu", &["--tensor-parallel", "0"], "at least 1");
+    refused(q, "cpu", &["--pipeline-parallel", "3"], "takes 1 or 2");
+    refused(q, "cpu", &["--pipeline-parallel", "2"], "over GPUs");
+    // The CI's machines have fewer than 2 GPUs (or no driver: 0).
+    let gpus = "needs 2 GPUs; this machine has";
+    refused(q, "cuda", &["-tp", "2"], gpus);
+    refused(q, "cuda", &["--pipeline-parallel", "2"], gpus);
+}

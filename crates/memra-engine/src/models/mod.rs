@@ -43,6 +43,8 @@ pub enum ModelError {
     UnsupportedType { tensor: String, ty: GgmlType },
     #[error("invalid model: {0}")]
     Invalid(String),
+    #[error("tensor-parallel exchange failed: {0}")]
+    Collective(#[from] crate::parallel::CollectiveError),
     #[error("the context is full: {needed} positions needed, {n_ctx} available")]
     ContextFull { needed: usize, n_ctx: usize },
 }

@@ -1,6 +1,7 @@
 //! Weights as views into the mapped GGUF file, found by GGUF tensor name and checked
 //! against the shapes the architecture expects.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use memra_gguf::quant::{can_dequantize, dequantize_to_vec};
@@ -101,13 +102,17 @@ impl TensorSource<'_> {
     }
 }
 
-/// A weight matrix: rows `first_row .. first_row + n_out` of a tensor.
+/// A weight matrix: rows `first_row .. first_row + n_out` of a tensor, and of each row the
+/// `n_in` columns from `first_col` (all of them, except in a tensor-parallel shard).
 #[derive(Clone)]
 pub struct Linear {
     tensor: Tensor,
     first_row: usize,
     n_out: usize,
+    /// Bytes of a whole row of the tensor.
     row_bytes: usize,
+    first_col: usize,
+    n_in: usize,
 }
 
 impl Linear {
@@ -117,18 +122,75 @@ impl Linear {
             .ty
             .row_bytes(tensor.info.dims[0])
             .expect("checked by the reader") as usize;
+        let n_in = tensor.info.dims[0] as usize;
         Linear {
             tensor,
             first_row,
             n_out,
             row_bytes,
+            first_col: 0,
+            n_in,
         }
     }
 
-    /// The rows' bytes, contiguous in the file.
-    pub fn bytes(&self) -> &[u8] {
-        let start = self.first_row * self.row_bytes;
-        &self.tensor.bytes()[start..start + self.n_out * self.row_bytes]
+    /// The GGUF tensor this matrix is (part of).
+    pub fn name(&self) -> &str {
+        &self.tensor.info.name
+    }
+
+    /// Whether each row is whole (not a shard's share of the columns).
+    pub fn full_width(&self) -> bool {
+        self.n_in == self.tensor.info.dims[0] as usize
+    }
+
+    /// Bytes of the rows (of this matrix's columns).
+    pub fn byte_len(&self) -> usize {
+        self.n_out
+            * self
+                .ty()
+                .row_bytes(self.n_in as u64)
+                .expect("block-aligned") as usize
+    }
+
+    /// The rows' bytes, one after the other: borrowed from the file for whole rows,
+    /// copied together for a column share (a tensor-parallel rank's wo and down), whose
+    /// rows are apart in the file.
+    pub fn packed(&self) -> Cow<'_, [u8]> {
+        if self.full_width() {
+            let start = self.first_row * self.row_bytes;
+            return Cow::Borrowed(&self.tensor.bytes()[start..start + self.n_out * self.row_bytes]);
+        }
+        Cow::Owned((0..self.n_out).flat_map(|r| self.row(r)).copied().collect())
+    }
+
+    /// Rows `first .. first + n` of this matrix (a row-major quantized matrix splits
+    /// between any two rows).
+    pub fn rows(&self, first: usize, n: usize) -> Linear {
+        assert!(
+            first + n <= self.n_out,
+            "rows {first}+{n} of {}",
+            self.n_out
+        );
+        Linear {
+            first_row: self.first_row + first,
+            n_out: n,
+            ..self.clone()
+        }
+    }
+
+    /// Columns `first .. first + n` of every row. A quantized row is a sequence of blocks
+    /// of `ty().block_size()` weights, so the share must start and end on block boundaries;
+    /// `None` when it would cut a block.
+    pub fn columns(&self, first: usize, n: usize) -> Option<Linear> {
+        let block = self.ty().block_size();
+        if first % block != 0 || n % block != 0 || first + n > self.n_in {
+            return None;
+        }
+        Some(Linear {
+            first_col: self.first_col + first,
+            n_in: n,
+            ..self.clone()
+        })
     }
 
     /// Row `r` dequantized (embedding lookup).
@@ -142,13 +204,17 @@ impl WeightRows for Linear {
         self.tensor.info.ty
     }
     fn n_in(&self) -> usize {
-        self.tensor.info.dims[0] as usize
+        self.n_in
     }
     fn n_out(&self) -> usize {
         self.n_out
     }
     fn row(&self, r: usize) -> &[u8] {
-        let start = (self.first_row + r) * self.row_bytes;
-        &self.tensor.bytes()[start..start + self.row_bytes]
+        let ty = self.ty();
+        // Block-aligned columns (checked by `columns`), so these are whole blocks.
+        let skip = ty.row_bytes(self.first_col as u64).expect("block-aligned") as usize;
+        let len = ty.row_bytes(self.n_in as u64).expect("block-aligned") as usize;
+        let start = (self.first_row + r) * self.row_bytes + skip;
+        &self.tensor.bytes()[start..start + len]
     }
 }

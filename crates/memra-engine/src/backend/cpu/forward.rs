@@ -13,6 +13,8 @@ use crate::models::forward::{forward, LayerOps};
 use crate::models::layers::{Activation, Decoder, Ffn, LogitRows};
 use crate::models::weights::{Linear, WeightRows};
 use crate::models::ModelError;
+use crate::parallel::plan::vocab_share;
+use crate::parallel::HostCollective;
 
 impl Decoder {
     /// A KV pool of `num_blocks` blocks of `block_size` positions, for every layer.
@@ -84,6 +86,19 @@ impl Decoder {
         kv: &mut KvPool,
         batch: &ForwardBatch,
     ) -> Result<Vec<f32>, ModelError> {
+        self.forward_batch_rank(kv, batch, None)
+    }
+
+    /// [`Decoder::forward_batch`] on one rank of a tensor-parallel group, this decoder
+    /// being the rank's share (`parallel::plan::shard`) and `kv` its KV heads' pool: the
+    /// attention and FFN outputs are all-reduced over `comm`, the logits gathered (every
+    /// rank returns all of them). `None`: the whole model on its own.
+    pub fn forward_batch_rank(
+        &self,
+        kv: &mut KvPool,
+        batch: &ForwardBatch,
+        comm: Option<&HostCollective>,
+    ) -> Result<Vec<f32>, ModelError> {
         let hp = &self.hp;
         batch
             .validate(hp.n_vocab, kv.num_blocks)
@@ -111,6 +126,7 @@ impl Decoder {
             batch,
             kv,
             queries,
+            comm,
             x: Vec::new(),
             logits: Vec::new(),
         };
@@ -126,6 +142,8 @@ struct CpuPass<'a> {
     kv: &'a mut KvPool,
     /// Each token's position and its sequence's blocks.
     queries: Vec<PagedQuery<'a>>,
+    /// The tensor-parallel group this pass is one rank of.
+    comm: Option<&'a HostCollective>,
     x: Vec<f32>,
     logits: Vec<f32>,
 }
@@ -189,6 +207,11 @@ impl LayerOps for CpuPass<'_> {
         );
         let mut o = vec![0f32; self.queries.len() * e];
         matmul_with(&l.wo, &attn, None, &mut o, d.exact_activations);
+        // A rank's heads give a partial sum of the output projection; the post-norm (Gemma)
+        // needs the whole sum.
+        if let Some(c) = self.comm {
+            c.all_reduce_sum(&mut o)?;
+        }
         if let Some(w) = &l.post_attn_norm {
             ops::rms_norm(&mut o, w, hp.rms_eps);
         }
@@ -261,6 +284,11 @@ impl LayerOps for CpuPass<'_> {
                 out
             }
         };
+        // A rank's FFN columns (of every expert: the routing weights are linear) give a
+        // partial sum of the down projection.
+        if let Some(c) = self.comm {
+            c.all_reduce_sum(&mut f)?;
+        }
         if let Some(w) = &l.post_ffn_norm {
             ops::rms_norm(&mut f, w, hp.rms_eps);
         }
@@ -279,8 +307,12 @@ impl LayerOps for CpuPass<'_> {
             h.extend_from_slice(&self.x[row as usize * e..(row as usize + 1) * e]);
         }
         ops::rms_norm(&mut h, &d.output_norm, d.hp.rms_eps);
-        self.logits = vec![0f32; rows.len() * d.hp.n_vocab];
-        matmul_with(&d.output, &h, None, &mut self.logits, d.exact_activations);
+        let mut logits = vec![0f32; rows.len() * d.output.n_out()];
+        matmul_with(&d.output, &h, None, &mut logits, d.exact_activations);
+        self.logits = match self.comm {
+            None => logits,
+            Some(c) => gather_vocab(c, &logits, rows.len(), d.hp.n_vocab)?,
+        };
         if let Some(cap) = d.final_logit_softcap {
             self.logits
                 .iter_mut()
@@ -288,6 +320,38 @@ impl LayerOps for CpuPass<'_> {
         }
         Ok(())
     }
+}
+
+/// Every rank's logits of its vocabulary rows (`rows x local`) into whole rows
+/// (`rows x n_vocab`): each rank sends its rows padded to the equal share all-gather needs.
+fn gather_vocab(
+    c: &HostCollective,
+    local: &[f32],
+    rows: usize,
+    n_vocab: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let world = c.world_size();
+    let share = vocab_share(n_vocab, world);
+    let nl = local.len() / rows.max(1);
+    let mut part = vec![0f32; rows * share];
+    for (dst, src) in part
+        .chunks_exact_mut(share)
+        .zip(local.chunks_exact(nl.max(1)))
+    {
+        dst[..nl].copy_from_slice(src);
+    }
+    let mut all = vec![0f32; rows * share * world];
+    c.all_gather(&part, &mut all)?;
+    // `all` is rank-major (`world x rows x share`); the logits are row-major.
+    let mut logits = Vec::with_capacity(rows * n_vocab);
+    for row in 0..rows {
+        for rank in 0..world {
+            let n = share.min(n_vocab.saturating_sub(rank * share));
+            let at = (rank * rows + row) * share;
+            logits.extend_from_slice(&all[at..at + n]);
+        }
+    }
+    Ok(logits)
 }
 
 /// `act(gate) * up`, element-wise.

@@ -90,6 +90,20 @@ pub fn usable_gpu() -> bool {
     built_arch().is_some() && CudaDevice::new(0).is_ok()
 }
 
+/// GPUs the driver sees (0 without a driver), whatever their architecture.
+pub fn gpu_count() -> Result<usize, CudaError> {
+    // SAFETY: only probes whether the library can be opened (cudarc panics otherwise).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Ok(0);
+    }
+    match CudaContext::device_count() {
+        Ok(n) => Ok(n.max(0) as usize),
+        // A driver with no GPU to drive (cuInit says so).
+        Err(DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE)) => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// The build architecture that runs on a compute capability (as build.rs picks it).
 pub fn arch_for(major: i32, minor: i32) -> String {
     match (major, minor) {

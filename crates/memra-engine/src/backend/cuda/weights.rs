@@ -136,16 +136,14 @@ pub(super) struct GpuWeights {
 
 /// Bytes of `model`'s matrices in the file (what the upload will take).
 pub(super) fn matrix_bytes(model: &Decoder) -> usize {
-    let mut weight_bytes = model.output.bytes().len() + model.token_embd.bytes().len();
+    let mut weight_bytes = model.output.byte_len() + model.token_embd.byte_len();
     for l in &model.layers {
         weight_bytes += [&l.wq, &l.wk, &l.wv, &l.wo]
             .iter()
-            .map(|w| w.bytes().len())
+            .map(|w| w.byte_len())
             .sum::<usize>();
         weight_bytes += match &l.ffn {
-            Ffn::Dense { gate, up, down } => {
-                gate.bytes().len() + up.bytes().len() + down.bytes().len()
-            }
+            Ffn::Dense { gate, up, down } => gate.byte_len() + up.byte_len() + down.byte_len(),
             Ffn::Experts {
                 router,
                 gate,
@@ -153,11 +151,11 @@ pub(super) fn matrix_bytes(model: &Decoder) -> usize {
                 down,
                 ..
             } => {
-                router.bytes().len()
+                router.byte_len()
                     + [gate, up, down]
                         .iter()
                         .flat_map(|e| e.iter())
-                        .map(|l| l.bytes().len())
+                        .map(|l| l.byte_len())
                         .sum::<usize>()
             }
         };
@@ -189,9 +187,9 @@ impl GpuWeights {
                     l.n_in()
                 )));
             }
-            linears += l.bytes().len();
+            linears += l.byte_len();
             Ok(GpuLinear {
-                w: upload_weights(dev, l.bytes(), l.ty(), l.n_in())?,
+                w: upload_weights(dev, &l.packed(), l.ty(), l.n_in())?,
                 ty: l.ty(),
                 n_in: l.n_in(),
                 n_out: l.n_out(),
@@ -224,7 +222,7 @@ impl GpuWeights {
                             });
                         }
                         let bytes: Vec<u8> =
-                            e.iter().flat_map(|l| l.bytes().iter().copied()).collect();
+                            e.iter().flat_map(|l| l.packed().into_owned()).collect();
                         expert_bytes += bytes.len();
                         Ok(GpuExpertWeights {
                             w: upload_weights(dev, &bytes, ty, e[0].n_in())?,
