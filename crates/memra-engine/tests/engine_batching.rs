@@ -806,3 +806,33 @@ fn tensor_parallel_ranks_batched_give_each_sequence_its_tokens_alone() {
         assert_eq!(ids, alone(&model, p, 12));
     }
 }
+
+/// A request's own bounds on its drafts: none with a most of 0, at most 2 a step with 2,
+/// and the tokens of plain decoding whatever the bounds.
+#[test]
+fn a_request_bounds_its_own_drafts() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let p = model
+        .tokenizer
+        .encode("one two three four one two three four one two", true, true)
+        .unwrap();
+    let n = 24;
+    let want = alone(&model, &p, n);
+    let with = |max: Option<usize>| {
+        let mut r = request(&p, n, greedy_config());
+        r.params.draft_max = max;
+        run_all(&spec_engine(&model, 2048, N_CTX * 8), &[r]).remove(0)
+    };
+    let (ids, none) = with(Some(0));
+    assert_eq!((ids, none.draft_tokens), (want.clone(), 0));
+    let (ids, two) = with(Some(2));
+    assert_eq!(ids, want);
+    // Each verify step drafted at most 2 and gave at least one token.
+    assert!(two.draft_tokens > 0 && two.draft_tokens <= 2 * n, "{two:?}");
+    let (ids, free) = with(None);
+    assert_eq!(ids, want);
+    assert!(
+        free.accepted_tokens >= two.accepted_tokens,
+        "{free:?} vs {two:?}"
+    );
+}

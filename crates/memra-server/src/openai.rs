@@ -209,6 +209,8 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
                     logprobs: c.logprobs,
                     score_from: None,
                     constraint: constraint.clone(),
+                    draft_max: c.draft_max,
+                    draft_min: c.draft_min,
                 },
             };
             r.engine

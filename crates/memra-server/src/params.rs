@@ -18,6 +18,8 @@ pub const MAX_PROMPTS: usize = 16;
 pub const MAX_STOP: usize = 16;
 /// Alternatives per token at most (`top_logprobs`, OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Drafted tokens a step a request may ask for (`speculative.n_max`).
+pub const MAX_DRAFT: usize = 64;
 /// OpenAI's completions endpoint generates 16 tokens when `max_tokens` is not given.
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 
@@ -117,6 +119,10 @@ pub struct Common {
     /// Log-probabilities with this many alternatives per token.
     pub logprobs: Option<usize>,
     pub ignore_eos: bool,
+    /// llama-server's `speculative.n_max` / `speculative.n_min`: this request's bounds on
+    /// drafted tokens a step, where the server speculates (`--spec-ngram`, `--model-draft`).
+    pub draft_max: Option<usize>,
+    pub draft_min: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,6 +200,10 @@ pub fn common(f: &Fields, endpoint: Endpoint, n_vocab: usize) -> Result<Common, 
         Endpoint::Completions => f.integer("logprobs", 0, top)?.map(|k| k as usize),
     };
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    let draft = |name| -> Result<Option<usize>, ApiError> {
+        Ok(f.integer(name, 0, MAX_DRAFT as i64)?.map(|k| k as usize))
+    };
+    let (draft_max, draft_min) = (draft("speculative.n_max")?, draft("speculative.n_min")?);
     Ok(Common {
         model,
         max_tokens: max_tokens.map(|m| usize::try_from(m).unwrap_or(usize::MAX)),
@@ -205,6 +215,8 @@ pub fn common(f: &Fields, endpoint: Endpoint, n_vocab: usize) -> Result<Common, 
         include_usage,
         logprobs,
         ignore_eos,
+        draft_max,
+        draft_min,
     })
 }
 
@@ -447,6 +459,12 @@ mod tests {
         assert_eq!(c.max_tokens, Some(9));
         let c = parse(json!({"logprobs": 3}), Endpoint::Completions).unwrap();
         assert_eq!(c.logprobs, Some(3));
+        let c = parse(
+            json!({"speculative.n_max": 0, "speculative.n_min": 2}),
+            Endpoint::Completions,
+        )
+        .unwrap();
+        assert_eq!((c.draft_max, c.draft_min), (Some(0), Some(2)));
     }
 
     #[test]
@@ -456,6 +474,9 @@ mod tests {
             (json!({"temperature": 3}), "temperature"),
             (json!({"max_tokens": 0}), "max_tokens"),
             (json!({"max_tokens": 1.5}), "max_tokens"),
+            (json!({"speculative.n_max": -1}), "speculative.n_max"),
+            (json!({"speculative.n_min": 65}), "speculative.n_min"),
+            (json!({"speculative.n_max": "4"}), "speculative.n_max"),
             (json!({"n": 0}), "n"),
             (json!({"n": 1000}), "n"),
             (json!({"stream": "yes"}), "stream"),
@@ -529,6 +550,8 @@ mod tests {
             "logprobs",
             "top_logprobs",
             "ignore_eos",
+            "speculative.n_max",
+            "speculative.n_min",
             "user",
             "messages",
             "prompt",

@@ -40,3 +40,13 @@ def test_speculative_server_gives_the_plain_servers_text(qwen, spawn, flags):
     sampled = spec.client().completions.create(model="m", prompt=PROMPTS[1], max_tokens=12,
                                                temperature=0.8, seed=3)
     assert sampled.usage.completion_tokens <= 12 and sampled.choices[0].finish_reason
+
+
+def test_a_request_sets_its_own_draft_bounds(qwen, spawn):
+    spec = spawn(QWEN, "-c", "1024", "-np", "2", "--spec-ngram", "3")
+    plain = complete(qwen, PROMPTS[0], temperature=0)
+    for bounds in [{"speculative.n_max": 0}, {"speculative.n_max": 2, "speculative.n_min": 1}]:
+        assert complete(spec, PROMPTS[0], temperature=0, extra_body=bounds) == plain
+    r = spec.post("/v1/completions", {"prompt": "hi", "speculative.n_max": -1})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "speculative.n_max"

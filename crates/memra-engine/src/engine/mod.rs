@@ -97,6 +97,10 @@ pub struct GenerationParams {
     /// The output must match this grammar ([`Engine::compile_grammar`]); it ends when the
     /// grammar is complete.
     pub constraint: Option<Constraint>,
+    /// Speculative decoding for this request, where the engine speculates: at most and at
+    /// least this many drafts a step (`None`: the engine's bounds; a most of 0: none).
+    pub draft_max: Option<usize>,
+    pub draft_min: Option<usize>,
 }
 
 impl Default for GenerationParams {
@@ -109,6 +113,8 @@ impl Default for GenerationParams {
             logprobs: None,
             score_from: None,
             constraint: None,
+            draft_max: None,
+            draft_min: None,
         }
     }
 }

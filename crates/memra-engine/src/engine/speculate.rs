@@ -25,14 +25,14 @@ pub(super) fn draft_len(c: &SpecConfig, s: &SpecState, room: usize) -> usize {
     s.length.next(c).min(room)
 }
 
-/// Prompt-lookup drafts for a decoding sequence whose tokens are `tokens`, at most `k`;
-/// none when fewer than the minimum are found.
-pub(super) fn lookup_drafts(tokens: &[u32], c: &SpecConfig, k: usize) -> Vec<u32> {
+/// Prompt-lookup drafts (matching up to `n` tokens) for a decoding sequence whose tokens
+/// are `tokens`, at most `k`; none when fewer than `least` are found.
+pub(super) fn lookup_drafts(tokens: &[u32], n: usize, k: usize, least: usize) -> Vec<u32> {
     if k == 0 {
         return Vec::new();
     }
-    let draft = ngram::propose(tokens, c.ngram, k);
-    if draft.len() < c.draft_min.max(1) {
+    let draft = ngram::propose(tokens, n, k);
+    if draft.len() < least.max(1) {
         return Vec::new();
     }
     draft

@@ -498,7 +498,8 @@ fn add_drafts(
     if sched.num_running() > c.max_batch {
         return Ok(());
     }
-    let mut want: Vec<(SeqId, usize)> = Vec::new();
+    // (sequence, drafts at most, drafts at least)
+    let mut want: Vec<(SeqId, usize, usize)> = Vec::new();
     for (&id, l) in live.iter() {
         let p = &l.request.params;
         if p.constraint.is_some() || p.logprobs.is_some() || p.score_from.is_some() {
@@ -511,17 +512,18 @@ fn add_drafts(
         // The drafts and the token after them stay within max_tokens (and so within the
         // context, which the request was checked against).
         let room = p.max_tokens.saturating_sub(l.generated + 1);
-        let k = draft_len(c, &l.spec, room);
-        if k >= c.draft_min.max(1) {
-            want.push((id, k));
+        let k = draft_len(c, &l.spec, room).min(p.draft_max.unwrap_or(usize::MAX));
+        let least = p.draft_min.unwrap_or(c.draft_min).max(1);
+        if k >= least {
+            want.push((id, k, least));
         }
     }
     // In admission order, so that a run repeats exactly (the map's order does not).
     want.sort_unstable();
     let Some(draft) = draft else {
-        for (id, k) in want {
+        for (id, k, least) in want {
             let tokens = &sched.get(id).expect("running").tokens;
-            let d = lookup_drafts(tokens, c, k);
+            let d = lookup_drafts(tokens, c.ngram, k, least);
             if !d.is_empty() {
                 sched.add_draft(id, &d);
                 live.get_mut(&id).expect("live").spec.draft = d;
@@ -531,13 +533,13 @@ fn add_drafts(
     };
     let asks: Vec<_> = want
         .iter()
-        .map(|&(id, k)| {
+        .map(|&(id, k, _)| {
             let tokens = sched.get(id).expect("running").tokens.as_slice();
             (id, tokens, k, &live[&id].request.params.sampler)
         })
         .collect();
     let mut proposals = draft.propose(&asks)?;
-    for (id, _) in want {
+    for (id, _, _) in want {
         let Some(p) = proposals.remove(&id) else {
             continue;
         };
