@@ -59,6 +59,9 @@ pub struct ForwardBatch {
     pub block_tables: Vec<BlockId>,
     /// Tokens whose logits the step returns, in order `[R]`.
     pub logit_rows: Vec<u32>,
+    /// Sequences whose tokens are a speculative verify step (the last token and its
+    /// drafts); a backend may compute them as it computes decodes (the GPU does).
+    pub verify: Vec<usize>,
 }
 
 impl ForwardBatch {
@@ -121,6 +124,15 @@ impl ForwardBatch {
     /// Sequence `s`'s tokens (indices into the batch).
     pub fn seq_tokens(&self, s: usize) -> std::ops::Range<usize> {
         self.query_start[s] as usize..self.query_start[s + 1] as usize
+    }
+
+    /// Marks the last sequence pushed as a verify step ([`ForwardBatch::verify`]).
+    pub fn mark_verify(&mut self) {
+        self.verify.push(self.n_seqs() - 1);
+    }
+
+    pub fn is_verify(&self, s: usize) -> bool {
+        self.verify.contains(&s)
     }
 
     /// Sequence `s`'s block table.

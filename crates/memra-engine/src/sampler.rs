@@ -153,16 +153,6 @@ pub enum Distribution {
     Candidates(Vec<(u32, f32)>),
 }
 
-impl Distribution {
-    /// The probability of `id`.
-    pub fn prob(&self, id: u32) -> f32 {
-        match self {
-            Distribution::Greedy(g) => f32::from(u8::from(*g == id)),
-            Distribution::Candidates(c) => c.iter().find(|c| c.0 == id).map_or(0.0, |c| c.1),
-        }
-    }
-}
-
 pub struct Sampler {
     config: SamplerConfig,
     rng: Rng,

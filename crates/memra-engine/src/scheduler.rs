@@ -261,7 +261,7 @@ impl Scheduler {
             let Some(i) = self.running.iter().position(|s| s.id == id) else {
                 continue;
             };
-            let n = self.running[i].remaining().min(budget);
+            let mut n = self.running[i].remaining().min(budget);
             loop {
                 let seq = &mut self.running[i];
                 let target = seq.num_computed + n;
@@ -274,6 +274,14 @@ impl Scheduler {
                     });
                     budget -= n;
                     break;
+                }
+                // Drafts never preempt anyone: without room for them, the sequence drops
+                // them and decodes its one token.
+                if seq.draft > 0 {
+                    seq.tokens.truncate(seq.tokens.len() - seq.draft);
+                    seq.draft = 0;
+                    n = 1;
+                    continue;
                 }
                 // Out of blocks: preempt the most recently admitted, maybe this one.
                 let mut victim = self.running.pop().expect("this one runs");
@@ -684,20 +692,48 @@ mod tests {
         s2.check().unwrap();
     }
 
-    /// A sequence preempted with drafts waits without them; a settle after that is a
-    /// no-op, and chunked drafts (a budget smaller than the draft) keep what was computed.
+    /// Drafts without room in the pool are dropped, never a reason to preempt (here the
+    /// sequence itself, or another); a settle after that keeps nothing more; chunked
+    /// drafts (a budget smaller than the draft) keep what was computed.
     #[test]
-    fn drafts_do_not_survive_preemption_and_may_be_chunked() {
+    fn drafts_never_preempt_and_may_be_chunked() {
         let mut s = sched(3, 2, 8, 100);
         s.add(Sequence::new(1, vec![1, 2, 3]));
         step(&mut s, 4);
         s.add_draft(1, &[5, 6, 7]);
-        // 7 positions need 4 blocks of the 3 there are: the sequence preempts itself.
+        // 7 positions need 4 blocks of the 3 there are: the drafts go, the token decodes.
         let st = s.schedule();
-        assert_eq!(st.preempted, [1]);
+        assert!(st.preempted.is_empty());
+        assert_eq!(
+            st.seqs,
+            [Scheduled {
+                id: 1,
+                start: 3,
+                n: 1,
+                logits: true
+            }]
+        );
+        s.complete(&st);
         s.settle_draft(1, 2);
         let seq = s.get(1).unwrap();
         assert_eq!((seq.tokens.as_slice(), seq.draft), (&[1, 2, 3, 4][..], 0));
+        s.check().unwrap();
+        // With another sequence admitted after it, a full pool: the drafts of the first go,
+        // the other (the one a preemption would take) keeps its blocks.
+        let mut s = sched(4, 2, 8, 100);
+        s.add(Sequence::new(1, vec![1, 2, 3]));
+        s.add(Sequence::new(2, vec![9, 8, 7]));
+        step(&mut s, 4);
+        assert_eq!(s.blocks.num_free(), 0);
+        s.add_draft(1, &[5, 6, 7, 8]);
+        let st = s.schedule();
+        assert!(st.preempted.is_empty(), "{st:?}");
+        assert_eq!(
+            st.seqs.iter().map(|q| q.n).collect::<Vec<_>>(),
+            [1, 1],
+            "{st:?}"
+        );
+        s.complete(&st);
         s.check().unwrap();
 
         let mut s = sched(16, 2, 8, 3);

@@ -63,7 +63,7 @@ pub struct ModelArgs {
     #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
     pub batch_size: usize,
     /// GPU: keep f16 copies of the weights for the GEMMs of prompts and many decodes (2
-    /// bytes a weight besides the quantized file's: 15 GiB for an 8B). auto: when they take
+    /// bytes a weight besides the quantized file's: 14 GiB for an 8B). auto: when they take
     /// at most a quarter of the memory left free.
     #[arg(long, value_enum, default_value_t = F16Arg::Auto)]
     pub f16_weights: F16Arg,
@@ -157,7 +157,8 @@ impl ModelArgs {
         let device = self.device();
         if pp > 1 && device == Device::Cpu {
             bail!(
-                "--pipeline-parallel splits the layers over GPUs; on the CPU it would only add                  a hand-off (use --device cuda on a machine with 2 GPUs)"
+                "--pipeline-parallel splits the layers over GPUs; on the CPU it would only add \
+                 a hand-off (use --device cuda on a machine with 2 GPUs)"
             );
         }
         if device == Device::Cuda && tp.max(pp) > 1 {
@@ -171,7 +172,8 @@ impl ModelArgs {
                 bail!("{what} {n} needs {n} GPUs; this machine has {gpus}");
             }
             bail!(
-                "{what} {n} on GPUs is not built yet (the CPU runs -tp as a correctness path,                  --device cpu; docs/parallel.md says what is left)"
+                "{what} {n} on GPUs is not built yet (the CPU runs -tp as a correctness path, \
+                 --device cpu; docs/parallel.md says what is left)"
             );
         }
         Ok(())
@@ -304,6 +306,9 @@ pub fn runner<'m>(
 ) -> Result<Box<dyn Runner + 'm>> {
     if args.tensor_parallel > 1 {
         bail!("this command runs one context without the engine: --tensor-parallel is not built for it (memra bench --batched takes it)");
+    }
+    if args.spec.spec_ngram.is_some() || args.spec.model_draft.is_some() {
+        bail!("this command runs one context without the engine: speculative decoding is not built for it (memra run, chat, serve and bench --batched take it)");
     }
     Ok(match args.device() {
         Device::Cpu => Box::new(CpuRunner::new(&model.decoder, n_ctx, PROMPT_BATCH)),

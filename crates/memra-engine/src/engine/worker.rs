@@ -40,7 +40,7 @@ pub(super) fn run(
     model: Arc<Model>,
     mut runner: Box<dyn BatchRunner>,
     config: SchedulerConfig,
-    spec: Option<SpecConfig>,
+    mut spec: Option<SpecConfig>,
     mut draft: Option<DraftModel>,
     rx: Receiver<Command>,
     stats: &StatsCell,
@@ -105,15 +105,15 @@ pub(super) fn run(
         if sched.is_idle() {
             continue;
         }
-        if let Some(c) = &spec {
+        if let Some(c) = spec.clone() {
             if let Some(d) = draft.as_mut() {
                 d.retain(|id| live.contains_key(&id));
             }
-            if let Err(e) = add_drafts(&mut sched, &mut live, c, draft.as_mut()) {
-                // The draft model failed: go on without it (every sequence decodes plainly;
-                // the text goes to stderr, where the server's log is).
+            if let Err(e) = add_drafts(&mut sched, &mut live, &c, draft.as_mut()) {
+                // The draft model failed: go on without speculation (every sequence decodes
+                // plainly; the text goes to stderr, where the server's log is).
                 eprintln!("memra: the draft model failed, speculation is off: {e}");
-                draft = None;
+                (spec, draft) = (None, None);
                 for (&id, l) in live.iter_mut() {
                     if !l.spec.draft.is_empty() {
                         sched.settle_draft(id, 0);
@@ -130,6 +130,11 @@ pub(super) fn run(
                 sched.settle_draft(id, 0);
                 l.spec.draft.clear();
                 l.spec.q = None;
+                // The draft model's cache holds the dropped drafts: only the verified
+                // tokens stand.
+                if let (Some(d), Some(seq)) = (draft.as_mut(), sched.get(id)) {
+                    d.settle(id, seq.tokens.len());
+                }
             }
         }
         if step.seqs.is_empty() {
@@ -313,7 +318,8 @@ fn build_batch(
                 .collect(),
             None => Vec::new(),
         };
-        if !live[&s.id].spec.draft.is_empty() {
+        let drafting = !live[&s.id].spec.draft.is_empty();
+        if drafting {
             want = (0..s.n).collect();
         } else if s.logits && want.last() != Some(&(s.n - 1)) {
             want.push(s.n - 1);
@@ -321,6 +327,9 @@ fn build_batch(
         rows.push(want.len());
         let tokens = &seq.tokens[s.start..s.start + s.n];
         batch.push(tokens, s.start, &seq.blocks, want);
+        if drafting && s.n > 1 {
+            batch.mark_verify();
+        }
     }
     (batch, rows)
 }

@@ -17,6 +17,13 @@ use crate::scheduler::SeqId;
 /// other text.
 pub fn check_vocab(target: &Model, draft: &Model) -> Result<(), String> {
     let (t, d) = (&target.tokenizer, &draft.tokenizer);
+    let (tn, dn) = (target.decoder.hp.n_vocab, draft.decoder.hp.n_vocab);
+    if tn != dn {
+        return Err(format!(
+            "the draft model's output has {dn} rows, the target's {tn}: a draft must share the \
+             target's vocabulary"
+        ));
+    }
     if t.n_vocab() != d.n_vocab() {
         return Err(format!(
             "the draft model's vocabulary has {} tokens, the target's {}: a draft must share \

@@ -1,5 +1,7 @@
 //! Verifying drafted tokens against the target model's rows for them.
 
+use std::collections::HashMap;
+
 use crate::sampler::{Distribution, Sampler};
 
 /// What a verify step gives a sequence: its first `accepted` drafts, then `next` (the
@@ -38,8 +40,17 @@ pub fn verify(
             }
             Distribution::Candidates(c) => c,
         };
-        let qi = q.map(|q| &q[i]);
-        let qd = qi.map_or(1.0, |q| q.prob(d));
+        // The draft's probabilities by token (a lookup per candidate of p: a whole
+        // vocabulary on each side must not cost its square).
+        let qi: Option<HashMap<u32, f32>> = q.map(|q| match &q[i] {
+            Distribution::Greedy(t) => HashMap::from([(*t, 1.0)]),
+            Distribution::Candidates(c) => c.iter().copied().collect(),
+        });
+        let q_of = |id: u32| match &qi {
+            Some(m) => m.get(&id).copied().unwrap_or(0.0),
+            None => f32::from(u8::from(id == d)),
+        };
+        let qd = q_of(d);
         let pd = cand.iter().find(|c| c.0 == d).map_or(0.0, |c| c.1);
         // Accept with probability min(1, p(d) / q(d)).
         if qd > 0.0 && sampler.uniform() < f64::from(pd / qd) {
@@ -47,7 +58,6 @@ pub fn verify(
             continue;
         }
         // Rejected: draw from max(0, p - q), normalized.
-        let q_of = |id: u32| qi.map_or(f32::from(u8::from(id == d)), |q| q.prob(id));
         let residual: Vec<(u32, f32)> = cand
             .iter()
             .map(|&(id, p)| (id, (p - q_of(id)).max(0.0)))

@@ -68,7 +68,7 @@ pub enum F16Weights {
 }
 
 /// The share of free memory f16 copies may take under [`F16Weights::Auto`]: an 8B's
-/// 15 GiB on an H200 (134 GiB free), not on a 24 GiB card where they would crowd out
+/// 14 GiB on an H200 (134 GiB free), not on a 24 GiB card where they would crowd out
 /// the KV cache.
 pub const F16_AUTO_SHARE: f64 = 0.25;
 
@@ -106,8 +106,9 @@ pub struct GpuDecoder {
     graph: Option<DecodeGraph>,
     /// Replay a captured graph per token (off: launch every kernel; `MEMRA_CUDA_GRAPH=0`).
     use_graph: bool,
-    /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS;
-    /// `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure both sides).
+    /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS_F16 with f16
+    /// copies, GEMM_DECODE_ROWS without; `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure
+    /// both sides).
     gemm_decode_rows: usize,
     /// A prompt batch's decodes take the decode attention kernels (off: the prompt
     /// attention, one query in a tile; `MEMRA_BATCH_DECODE_ATTENTION=0`, to measure both).
@@ -435,15 +436,16 @@ impl GpuDecoder {
             prompts = std::mem::take(&mut decodes);
             rows.clear();
         } else {
-            // A short chunk (a speculative verify step: the last token and its drafts)
-            // while few rows decode: each token a row of the mat-vec kernels at its own
-            // position, over the sequence's blocks. The rows of a launch append their keys
-            // and values before any attends, and a later group runs after an earlier one,
-            // so each token sees the ones before it, as in a prompt batch.
+            // A speculative verify step (the last token and its drafts) while few rows
+            // decode: each token a row of the mat-vec kernels at its own position, over the
+            // sequence's blocks, so it rounds as plain decoding does. The rows of a launch
+            // append their keys and values before any attends, and a later group runs after
+            // an earlier one, so each token sees the ones before it, as in a prompt batch.
             prompts.retain(|&s| {
                 let r = batch.seq_tokens(s);
-                let short =
-                    r.len() <= MAX_DECODE_ROWS && rows.len() + r.len() < self.gemm_decode_rows;
+                let short = batch.is_verify(s)
+                    && r.len() <= MAX_DECODE_ROWS
+                    && rows.len() + r.len() < self.gemm_decode_rows;
                 if short {
                     rows.extend(r.map(|t| (s, t)));
                 }
