@@ -53,8 +53,20 @@ fn alone(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
 }
 
 fn engine(model: &Arc<Model>, kv_tokens: usize, max_running: usize, budget: usize) -> Engine {
+    engine_with(model, kv_tokens, max_running, budget, None, None)
+}
+
+/// An engine on the CPU, speculating as `spec` says (with `draft`'s model, if any).
+fn engine_with(
+    model: &Arc<Model>,
+    kv_tokens: usize,
+    max_running: usize,
+    budget: usize,
+    spec: Option<SpecConfig>,
+    draft: Option<DraftModel>,
+) -> Engine {
     let runner = CpuBatchRunner::new(model.clone(), kv_tokens, 16);
-    Engine::start(
+    Engine::start_with_draft(
         model.clone(),
         Box::new(runner),
         EngineConfig {
@@ -63,8 +75,9 @@ fn engine(model: &Arc<Model>, kv_tokens: usize, max_running: usize, budget: usiz
                 token_budget: budget,
             },
             n_ctx: N_CTX,
-            spec: None,
+            spec,
         },
+        draft,
     )
 }
 
@@ -500,24 +513,13 @@ fn constrained_sequences_match_their_schema_beside_plain_ones() {
 }
 
 fn spec_engine(model: &Arc<Model>, budget: usize, kv_tokens: usize) -> Engine {
-    let runner = CpuBatchRunner::new(model.clone(), kv_tokens, 16);
-    Engine::start(
-        model.clone(),
-        Box::new(runner),
-        EngineConfig {
-            scheduler: SchedulerConfig {
-                max_running: 8,
-                token_budget: budget,
-            },
-            n_ctx: N_CTX,
-            spec: Some(SpecConfig {
-                ngram: 3,
-                draft_max: 6,
-                draft_min: 1,
-                max_batch: 8,
-            }),
-        },
-    )
+    let spec = SpecConfig {
+        ngram: 3,
+        draft_max: 6,
+        draft_min: 1,
+        max_batch: 8,
+    };
+    engine_with(model, kv_tokens, 8, budget, Some(spec), None)
 }
 
 /// Speculative decoding with prompt lookup at temperature 0: every sequence gets exactly
@@ -623,24 +625,13 @@ fn draft_engine(target: &Arc<Model>, draft: &Arc<Model>, budget: usize, kv: usiz
         draft.clone(),
         Box::new(CpuBatchRunner::new(draft.clone(), N_CTX * 8, 16)),
     );
-    Engine::start_with_draft(
-        target.clone(),
-        Box::new(CpuBatchRunner::new(target.clone(), kv, 16)),
-        EngineConfig {
-            scheduler: SchedulerConfig {
-                max_running: 8,
-                token_budget: budget,
-            },
-            n_ctx: N_CTX,
-            spec: Some(SpecConfig {
-                ngram: 1,
-                draft_max: 5,
-                draft_min: 1,
-                max_batch: 8,
-            }),
-        },
-        Some(d),
-    )
+    let spec = SpecConfig {
+        ngram: 1,
+        draft_max: 5,
+        draft_min: 1,
+        max_batch: 8,
+    };
+    engine_with(target, kv, 8, budget, Some(spec), Some(d))
 }
 
 /// A draft model at temperature 0: every sequence gets plain decoding's tokens, with
