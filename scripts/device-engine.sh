@@ -21,7 +21,7 @@ synth() { # shape quant
   echo "$f"
 }
 for tool in memcheck racecheck; do
-  for t in gpu_attention gpu_sampling gpu_token_mask; do
+  for t in gpu_attention gpu_sampling gpu_token_mask gpu_mmq_matches; do
     compute-sanitizer --tool $tool --error-exitcode 9 .device/engine-tests --ignored $t \
       >>"$out/sanitizer.log" 2>&1 && echo "compute-sanitizer $tool: $t clean" \
       || { echo "compute-sanitizer $tool: $t FAILED (see sanitizer.log)"; status=1; }
@@ -48,8 +48,15 @@ printf 'Hello there\nAnd again\n' | .device/memra chat -m .device/tiny/tiny-llam
   || { echo "chat --device cuda: FAILED"; status=1; }
 f8=$(synth llama3-8b q4_k_m)
 .device/memra bench -m "$f8" -p 512 -n 128 -d 0,4096 -r 3 --device cuda 2>"$out/bench.log" | tee "$out/bench.md"
-.device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,16,64,256 --device cuda 2>"$out/batched.log" \
+.device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,12,16,32,64,256 --device cuda 2>"$out/batched.log" \
   | tee "$out/batched.md"
+# The other side of the choice: the dp4a kernels in groups of 8 with the GEMM path from 9
+# (MEMRA_DECODE_MMQ=0), against the tensor-core kernels up to 16.
+echo "MEMRA_DECODE_MMQ=0:"
+MEMRA_DECODE_MMQ=0 .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 12,16 --device cuda \
+  2>>"$out/batched.log" | tail -n 2
+# The products alone (the tensor-core kernels' 16 tokens against the dp4a kernels' 8).
+.device/engine-tests --ignored gpu_mmq_bandwidth --nocapture 2>&1 | grep -E "tokens:" | tee "$out/mmq.log"
 # Structured output's cost (issue 13): half of 64 sequences held to a JSON schema that
 # does not end early, against none.
 bb() { .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 --device cuda "$@" 2>>"$out/batched.log"; }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel families, one fatbin each.
-const KERNELS: [&str; 9] = [
+const KERNELS: [&str; 10] = [
     "attention",
     "dequant",
     "elementwise",
@@ -22,6 +22,7 @@ const KERNELS: [&str; 9] = [
     "norm",
     "probe",
     "quant_matvec",
+    "quant_mmq",
     "rope",
     "sampling",
 ];

@@ -72,6 +72,19 @@ extern "C" __global__ void apply_token_mask(float* __restrict__ logits, int n, c
     if (!allowed) logits[i] = -INFINITY;
 }
 
+// Masks of several rows in one launch (a batch's constrained greedy rows): block row j
+// bans, in row list[j] of `logits` (rows of n), what mask j bans; `list` holds the n_rows
+// row numbers, then n_rows masks of n_words = ceil(n / 32) words each.
+extern "C" __global__ void apply_token_masks(float* __restrict__ logits, int n, const uint32_t* __restrict__ list,
+                                             int n_rows, int n_words) {
+    PDL_WAIT();
+    const int j = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const uint32_t* mask = list + n_rows + (size_t)j * n_words;
+    if (!((mask[i / 32] >> (i % 32)) & 1u)) logits[(size_t)list[j] * n + i] = -INFINITY;
+}
+
 // Bias and penalties, one thread per token id the host lists (each id once): logit += bias,
 // then for ids seen `count` > 0 times among the recent tokens, positive logits divided by
 // `repeat`, others multiplied, and count * freq + presence taken off (the CPU's order).

@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, CudaView};
 use half::f16;
 
 use super::gemm::Gemm;
-use super::matvec::{DeviceActs, MAX_TOKENS};
+use super::matvec::{DeviceActs, MAX_MMQ_TOKENS, MAX_TOKENS};
 use super::ops::{PagedKv, MAX_SPLITS};
 use super::sampling::{ArgmaxParts, DeviceSampler};
 use super::weights::GpuLayer;
@@ -16,8 +16,15 @@ use crate::batch::ForwardBatch;
 /// Tokens per prompt batch (llama.cpp's default micro-batch); a step with more prompt
 /// tokens runs as several batches.
 pub const MAX_BATCH: usize = 512;
-/// Sequences decoded together by the matvec kernels (their row limit).
-pub const MAX_DECODE_ROWS: usize = MAX_TOKENS;
+/// Sequences one decode step takes: the tensor-core kernels' limit (a model with a matrix
+/// of a format without them takes [`MAX_MATVEC_ROWS`]).
+pub const MAX_DECODE_ROWS: usize = MAX_MMQ_TOKENS;
+/// Rows the dp4a mat-vec kernels take, every format.
+pub const MAX_MATVEC_ROWS: usize = MAX_TOKENS;
+/// Partial results (sequences x splits) a decode step's attention keeps: the longest
+/// context's splits for up to MAX_MATVEC_ROWS sequences, fewer splits each for more
+/// (`decode_step_splits`), so that 64 rows do not need 64 x 128 splits of partials.
+pub const DECODE_PARTS: usize = MAX_SPLITS * MAX_MATVEC_ROWS;
 /// Partial results (sequences x splits) the decode attention of a prompt batch's decodes
 /// keeps: 8 splits of each of MAX_BATCH decodes, more splits when fewer sequences.
 pub const BATCH_DECODE_PARTS: usize = 8 * MAX_BATCH;
@@ -224,10 +231,13 @@ pub struct StepBuffers {
     pub logits: CudaSlice<f32>,
     /// One row of logits, for sampling a row other than the first on the device.
     pub row: CudaSlice<f32>,
+    /// Each row's argmax.
     pub best: CudaSlice<i32>,
     pub best_parts: ArgmaxParts,
     pub sampler: DeviceSampler,
     pub acts: DeviceActs,
+    /// The constrained rows of a step and their masks (`sampling::mask_rows_on_device`).
+    pub mask_list: CudaSlice<u32>,
 }
 
 /// The widths a decoder's buffers need.
@@ -265,15 +275,16 @@ impl StepBuffers {
             o: s.alloc_zeros(r * w.n_embd)?,
             g: s.alloc_zeros((r * w.ffn).max(1))?,
             u: s.alloc_zeros((r * w.ffn).max(1))?,
-            part_o: s.alloc_zeros(r * MAX_SPLITS * w.q_len)?,
-            part_ml: s.alloc_zeros(r * MAX_SPLITS * w.n_head * 2)?,
+            part_o: s.alloc_zeros(DECODE_PARTS * w.q_len)?,
+            part_ml: s.alloc_zeros(DECODE_PARTS * w.n_head * 2)?,
             moe: MoeBuffers::new(dev, layers, r, w.n_embd)?,
             logits: s.alloc_zeros(r * w.n_vocab)?,
             row: s.alloc_zeros(w.n_vocab)?,
-            best: s.alloc_zeros(1)?,
+            best: s.alloc_zeros(r)?,
             best_parts: ArgmaxParts::new(dev)?,
             sampler: DeviceSampler::new(dev)?,
-            acts: DeviceActs::new(dev, r * w.widest().div_ceil(32) * 32)?,
+            acts: DeviceActs::with_mmq(dev, r * w.widest().div_ceil(32) * 32)?,
+            mask_list: s.alloc_zeros(r * (1 + w.n_vocab.div_ceil(32)))?,
         })
     }
 
@@ -295,8 +306,8 @@ impl StepBuffers {
         f32s.iter().map(|b| bytes_of(b)).sum::<usize>()
             + self.moe.bytes()
             + self.meta.bytes()
-            + bytes_of(&self.acts.q)
-            + 2 * bytes_of(&self.acts.d)
+            + self.acts.bytes()
+            + bytes_of(&self.mask_list)
     }
 }
 

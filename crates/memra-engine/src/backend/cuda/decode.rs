@@ -13,7 +13,7 @@ use half::f16;
 use super::buffers::{MoeBuffers, StepBuffers};
 use super::matvec::{mmvq, mmvq_moe, mmvq_set, DeviceActs};
 use super::ops;
-use super::sampling::argmax;
+use super::sampling::{argmax, argmax_rows};
 use super::weights::{GpuExperts, GpuFfn, GpuLayer, GpuLinear, GpuWeights};
 use super::{CudaDevice, CudaError};
 use crate::models::forward::LayerOps;
@@ -180,8 +180,8 @@ impl LayerOps for DecodePass<'_> {
         Ok(())
     }
 
-    /// The logits of every row into `s.logits`; with one row, its argmax into `s.best`
-    /// (so that a replayed graph returns one id).
+    /// The logits of every row into `s.logits` and each row's argmax into `s.best` (so
+    /// that a replayed graph returns one id, and a step of many rows only ids).
     fn head(&mut self) -> Result<(), CudaError> {
         let (dev, rows) = (self.dev, self.rows);
         let s = &mut *self.s;
@@ -209,6 +209,8 @@ impl LayerOps for DecodePass<'_> {
                 &mut s.best_parts,
                 &mut s.best,
             )?;
+        } else {
+            argmax_rows(dev, &s.logits, rows, self.hp.n_vocab, &mut s.best)?;
         }
         Ok(())
     }

@@ -6,8 +6,9 @@
 //! A step's sequences take one of two paths by what they compute, so a sequence's numbers
 //! do not depend on what else is in the batch; both run the one forward
 //! (`models/forward.rs`) over their own operations:
-//! - one token (decode, `decode.rs`): int8 activations and the `mmvq` kernels for up to
-//!   [`MAX_DECODE_ROWS`] sequences at once, split-K paged attention; for one sequence the
+//! - one token (decode, `decode.rs`): int8 activations and the `mmvq` kernels (dp4a up to 8
+//!   sequences, the int8 tensor cores up to [`MAX_DECODE_ROWS`]), split-K paged attention;
+//!   for one sequence the
 //!   whole step is a CUDA graph captured once and replayed (`graph.rs`), so only the batch
 //!   arrays go in and one id (or the logits, when the host samples) comes out;
 //! - several tokens (prompt chunks, perplexity; `prompt.rs`): batches of up to
@@ -22,13 +23,15 @@
 use cudarc::driver::CudaSlice;
 use half::f16;
 
-use super::buffers::{BatchBuffers, StepBuffers, Widths, BATCH_DECODE_PARTS};
-pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS};
+use super::buffers::{BatchBuffers, StepBuffers, Widths, BATCH_DECODE_PARTS, DECODE_PARTS};
+pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS, MAX_MATVEC_ROWS};
 use super::decode::DecodePass;
 use super::graph::DecodeGraph;
 use super::ops;
-use super::prompt::{alloc_batch, Logits, PromptPass};
-use super::sampling::{argmax, DevicePick, MAX_CANDIDATES};
+use super::prompt::{alloc_batch, Logits, PromptPass, RowsOn};
+use super::sampling::{
+    argmax, argmax_rows, mask_rows_on_device as ops_mask_rows, DevicePick, MAX_CANDIDATES,
+};
 use super::weights::{matrix_bytes, GpuWeights};
 use super::{CudaDevice, CudaError};
 use crate::batch::{ForwardBatch, RowOut, RowPick};
@@ -43,18 +46,22 @@ pub const BLOCK_SIZE: usize = crate::kv::DEFAULT_BLOCK_SIZE;
 
 /// Decodes in one step from which they go through the prompt path's GEMMs (f16 weights
 /// dequantized once for all rows) instead of the int8 mat-vec kernels in groups of
-/// MAX_DECODE_ROWS, one group after another. Measured on the H200 (synthetic llama3-8b
-/// Q4_K_M, docs/engine.md): a group of 8 costs about 7.4 ms a step, the GEMM path about
-/// 20 ms plus 0.19 ms a sequence, so the GEMM path wins from a fourth group on.
-pub const GEMM_DECODE_ROWS: usize = 3 * MAX_DECODE_ROWS + 1;
+/// MAX_MATVEC_ROWS, one group after another, for a model with a matrix of a format without
+/// tensor-core kernels. Measured on the H200 (synthetic llama3-8b Q4_K_M, docs/engine.md): a
+/// group of 8 costs about 7.4 ms a step, the GEMM path about 20 ms plus 0.19 ms a sequence,
+/// so the GEMM path wins from a fourth group on.
+pub const GEMM_DECODE_ROWS: usize = 3 * MAX_MATVEC_ROWS + 1;
 
-/// Decodes in one step from which they take the GEMM path when the decoder keeps f16
-/// copies of the weights ([`F16Weights`]): the GEMMs then read 2 bytes a weight and no
-/// dequantization, about 5 ms a step for an 8B on the H200 whatever the rows, against
-/// about 2.7 ms for one row and 7.4 ms for a group of 8 through the mat-vec kernels.
-/// From the second group on: up to one group, a sequence's tokens stay bit-identical to
-/// its tokens alone (the same kernels and rounding).
-pub const GEMM_DECODE_ROWS_F16: usize = MAX_DECODE_ROWS + 1;
+/// As [`GEMM_DECODE_ROWS`] when the decoder keeps f16 copies of the weights
+/// ([`F16Weights`]): the GEMMs then read 2 bytes a weight and no dequantization, about 8.4
+/// ms a step for an 8B on the H200 whatever the rows, against about 2.7 ms for one row and
+/// 7.4 ms for a group of 8 through the mat-vec kernels.
+pub const GEMM_DECODE_ROWS_F16: usize = MAX_MATVEC_ROWS + 1;
+
+/// As [`GEMM_DECODE_ROWS`] when every matrix has tensor-core kernels: a step of up to
+/// MAX_DECODE_ROWS decodes reads the quantized weights once (docs/cuda.md has the
+/// measurements of both sides).
+pub const GEMM_DECODE_ROWS_MMQ: usize = MAX_DECODE_ROWS + 1;
 
 /// Whether the decoder keeps f16 copies of the matrices the GEMMs multiply (prompts and
 /// steps of many decodes), besides the quantized ones the mat-vec kernels read.
@@ -106,10 +113,14 @@ pub struct GpuDecoder {
     graph: Option<DecodeGraph>,
     /// Replay a captured graph per token (off: launch every kernel; `MEMRA_CUDA_GRAPH=0`).
     use_graph: bool,
-    /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS_F16 with f16
-    /// copies, GEMM_DECODE_ROWS without; `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure
-    /// both sides).
+    /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS_MMQ with
+    /// tensor-core kernels for every matrix, else GEMM_DECODE_ROWS_F16 with f16 copies,
+    /// GEMM_DECODE_ROWS without; `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure both
+    /// sides).
     gemm_decode_rows: usize,
+    /// Sequences one decode step takes: MAX_DECODE_ROWS where every matrix has tensor-core
+    /// kernels, else MAX_MATVEC_ROWS (`MEMRA_DECODE_MMQ=0` forces the latter, to measure).
+    decode_rows: usize,
     /// A prompt batch's decodes take the decode attention kernels (off: the prompt
     /// attention, one query in a tile; `MEMRA_BATCH_DECODE_ATTENTION=0`, to measure both).
     batch_decode_attention: bool,
@@ -248,12 +259,20 @@ impl GpuDecoder {
             v_cache.push(dev.stream.alloc_zeros(slots * kv_row)?);
         }
         let use_graph = std::env::var("MEMRA_CUDA_GRAPH").map_or(true, |v| v != "0");
+        let mmq =
+            w.tensor_core_decode() && std::env::var("MEMRA_DECODE_MMQ").map_or(true, |v| v != "0");
+        let decode_rows = if mmq {
+            MAX_DECODE_ROWS
+        } else {
+            MAX_MATVEC_ROWS
+        };
         let gemm_decode_rows = std::env::var("MEMRA_GEMM_DECODE_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(match keep_f16 {
-                true => GEMM_DECODE_ROWS_F16,
-                false => GEMM_DECODE_ROWS,
+            .unwrap_or(match (mmq, keep_f16) {
+                (true, _) => GEMM_DECODE_ROWS_MMQ,
+                (false, true) => GEMM_DECODE_ROWS_F16,
+                (false, false) => GEMM_DECODE_ROWS,
             });
         Ok(GpuDecoder {
             hp: hp.clone(),
@@ -273,6 +292,7 @@ impl GpuDecoder {
             graph: None,
             use_graph,
             gemm_decode_rows,
+            decode_rows,
             batch_decode_attention: std::env::var("MEMRA_BATCH_DECODE_ATTENTION")
                 .map_or(true, |v| v != "0"),
             eager_steps: 0,
@@ -444,7 +464,7 @@ impl GpuDecoder {
             prompts.retain(|&s| {
                 let r = batch.seq_tokens(s);
                 let short = batch.is_verify(s)
-                    && r.len() <= MAX_DECODE_ROWS
+                    && r.len() <= MAX_MATVEC_ROWS
                     && rows.len() + r.len() < self.gemm_decode_rows;
                 if short {
                     rows.extend(r.map(|t| (s, t)));
@@ -452,7 +472,7 @@ impl GpuDecoder {
                 !short
             });
         }
-        for group in rows.chunks(MAX_DECODE_ROWS) {
+        for group in rows.chunks(self.decode_rows) {
             let mut sub = ForwardBatch::new(BLOCK_SIZE);
             let mut origin = Vec::new();
             for &(s, t) in group {
@@ -467,9 +487,10 @@ impl GpuDecoder {
                     origin.push((sub.n_seqs() - 1, r));
                 }
             }
-            let best = self.decode(&sub)?;
+            let mut logits = self.decode(&sub)?;
+            self.mask_rows(&mut logits, &origin, picks)?;
             for (row, r) in origin {
-                out[r] = Some(self.pick(&Logits::Device { best }, row, &mut picks[r])?);
+                out[r] = Some(self.pick(&logits, row, &mut picks[r])?);
             }
         }
         // Prompt chunks (and many decodes), in batches of up to MAX_BATCH tokens; a longer
@@ -515,7 +536,9 @@ impl GpuDecoder {
         out: &mut [Option<RowOut>],
     ) -> Result<(), CudaError> {
         let host = origin.iter().all(|&r| matches!(picks[r], RowPick::Logits));
-        let logits = self.prefill(sub, host)?;
+        let mut logits = self.prefill(sub, host)?;
+        let rows: Vec<(usize, usize)> = origin.iter().copied().enumerate().collect();
+        self.mask_rows(&mut logits, &rows, picks)?;
         for (row, &r) in origin.iter().enumerate() {
             out[r] = Some(self.pick(&logits, row, &mut picks[r])?);
         }
@@ -538,10 +561,10 @@ impl GpuDecoder {
                     .dev
                     .stream
                     .clone_dtoh(&this.step.logits.slice(span.clone()))?,
-                Logits::Rows { .. } => this
+                Logits::Rows { on, .. } => this
                     .dev
                     .stream
-                    .clone_dtoh(&this.batch_logits().slice(span.clone()))?,
+                    .clone_dtoh(&this.row_logits(*on).slice(span.clone()))?,
             };
             this.softcap(&mut v);
             Ok(v)
@@ -571,7 +594,7 @@ impl GpuDecoder {
                     Some(s) => s.sample(&r),
                 }));
             }
-            Logits::Rows { best } if sampler.is_none() && mask.is_none() => {
+            Logits::Rows { best, .. } if sampler.is_none() && mask.is_none() => {
                 return Ok(RowOut::Token(best[row]))
             }
             Logits::Rows { .. } => false,
@@ -579,18 +602,30 @@ impl GpuDecoder {
         };
         // A row other than the first of the step's logits is copied to a row of its own
         // for the device picks.
-        let own_row = row > 0 || matches!(logits, Logits::Rows { .. });
+        let own_row = row > 0
+            || matches!(
+                logits,
+                Logits::Rows {
+                    on: RowsOn::Batch,
+                    ..
+                }
+            );
         if own_row {
-            let src = match logits {
-                Logits::Rows { .. } => self
+            let on = match logits {
+                Logits::Rows { on, .. } => *on,
+                _ => RowsOn::Step,
+            };
+            let s = &mut self.step;
+            let src = match on {
+                RowsOn::Step => s.logits.slice(span.clone()),
+                RowsOn::Batch => self
                     .batch
                     .as_ref()
                     .and_then(|b| b.logits.as_ref())
                     .expect("rows on the device")
                     .slice(span.clone()),
-                _ => self.step.logits.slice(span.clone()),
             };
-            self.dev.stream.memcpy_dtod(&src, &mut self.step.row)?;
+            self.dev.stream.memcpy_dtod(&src, &mut s.row)?;
         }
         let s = &mut self.step;
         let buf = if own_row { &mut s.row } else { &mut s.logits };
@@ -633,12 +668,69 @@ impl GpuDecoder {
         }
     }
 
-    /// The prompt path's logits on the device (a `Logits::Rows` result).
-    fn batch_logits(&self) -> &CudaSlice<f32> {
-        self.batch
-            .as_ref()
-            .and_then(|b| b.logits.as_ref())
-            .expect("rows on the device")
+    /// The logits of a `Logits::Rows` result.
+    fn row_logits(&self, on: RowsOn) -> &CudaSlice<f32> {
+        match on {
+            RowsOn::Step => &self.step.logits,
+            RowsOn::Batch => self
+                .batch
+                .as_ref()
+                .and_then(|b| b.logits.as_ref())
+                .expect("rows on the device"),
+        }
+    }
+
+    /// The greedy picks of the constrained rows among `rows` ((row of `logits`, pick)
+    /// pairs), when `logits` are rows on the device with their argmaxes: every such row's
+    /// mask goes up in one copy, one launch bans what they ban, one launch takes every
+    /// row's argmax again, and those rows' picks become plain greedy ones. (Each masked and
+    /// picked on its own cost a host round trip a row: 13% of the generation of 64 rows
+    /// with 32 constrained, docs/benchmarks.md.) Rows whose mask failed, and sampled rows,
+    /// are left to `pick`.
+    fn mask_rows(
+        &mut self,
+        logits: &mut Logits,
+        rows: &[(usize, usize)],
+        picks: &mut [RowPick],
+    ) -> Result<(), CudaError> {
+        let Logits::Rows { best, on } = logits else {
+            return Ok(());
+        };
+        let mut masked = Vec::new();
+        let mut masks = Vec::new();
+        for &(row, r) in rows {
+            if let RowPick::Masked(s, slot) = &picks[r] {
+                if let (true, Some(m)) = (s.is_plain_greedy(), slot.wait()) {
+                    masked.push(row);
+                    masks.push(m);
+                }
+            }
+        }
+        if masked.is_empty() {
+            return Ok(());
+        }
+        let (nv, n_rows) = (self.hp.n_vocab, best.len());
+        let (dev, list) = (&self.dev, &mut self.step.mask_list);
+        let (x, out) = match *on {
+            RowsOn::Step => (&mut self.step.logits, &mut self.step.best),
+            RowsOn::Batch => {
+                let bb = self.batch.as_mut().expect("rows on the device");
+                (
+                    bb.logits.as_mut().expect("rows on the device"),
+                    &mut bb.best,
+                )
+            }
+        };
+        ops_mask_rows(dev, x, nv, list, &masked, &masks)?;
+        argmax_rows(dev, x, n_rows, nv, out)?;
+        let ids = dev.stream.clone_dtoh(&out.slice(..n_rows))?;
+        *best = ids.into_iter().map(|b| b as u32).collect();
+        for &(row, r) in rows {
+            if masked.contains(&row) {
+                picks[r] = RowPick::Greedy;
+            }
+        }
+        Ok(())
     }
 
     fn softcap(&self, logits: &mut [f32]) {
@@ -647,21 +739,32 @@ impl GpuDecoder {
         }
     }
 
-    /// A decode step of up to MAX_DECODE_ROWS sequences of one token: by the captured
-    /// graph (one sequence), or eagerly. Returns whether the first row's argmax is done.
-    fn decode(&mut self, b: &ForwardBatch) -> Result<bool, CudaError> {
+    /// A decode step of up to `decode_rows` sequences of one token: by the captured graph
+    /// (one sequence), or eagerly. One row's logits come back as `Logits::Device` (its
+    /// argmax done unless the step ran eagerly before the capture), several as
+    /// `Logits::Rows` with every row's argmax.
+    fn decode(&mut self, b: &ForwardBatch) -> Result<Logits, CudaError> {
         let rows = b.n_seqs();
         let longest = b.context_len.iter().copied().max().unwrap_or(1) as usize;
-        let n_split = ops::decode_splits(longest);
+        // As many splits as the partials hold for this many rows.
+        let n_split = ops::decode_splits(longest)
+            .min(DECODE_PARTS / rows.max(1))
+            .max(1);
         self.step.meta.fill(&self.dev, b)?;
-        if !self.use_graph || rows > 1 || self.eager_steps == 0 {
+        if rows > 1 {
+            self.record_step(n_split, rows)?;
+            let ids = self.dev.stream.clone_dtoh(&self.step.best.slice(..rows))?;
+            return Ok(Logits::Rows {
+                best: ids.into_iter().map(|b| b as u32).collect(),
+                on: RowsOn::Step,
+            });
+        }
+        if !self.use_graph || self.eager_steps == 0 {
             // The first step runs eagerly: it loads every kernel and surfaces any error
             // outside a capture.
             self.record_step(n_split, rows)?;
-            if rows == 1 {
-                self.eager_steps += 1;
-            }
-            return Ok(rows == 1);
+            self.eager_steps += 1;
+            return Ok(Logits::Device { best: true });
         }
         if self.graph.is_none() {
             let attention: Vec<_> = [32, 64, 128, 256]
@@ -686,7 +789,7 @@ impl GpuDecoder {
         let graph = self.graph.as_mut().expect("captured above");
         graph.set_splits(n_split)?;
         graph.launch()?;
-        Ok(true)
+        Ok(Logits::Device { best: true })
     }
 
     /// Launches the kernels of a decode step of `rows` sequences (what the graph captures

@@ -1,5 +1,7 @@
-//! Decode-time matrix-vector products on quantized weights (`cu/quant_matvec.cu`): the
-//! activations are quantized to int8 on the device, then multiplied with `dp4a`.
+//! Decode-time matrix products on quantized weights: the activations are quantized to
+//! int8 on the device, then multiplied with `dp4a` for up to [`MAX_TOKENS`] tokens
+//! (`cu/quant_matvec.cu`) or on the int8 tensor cores for up to [`MAX_MMQ_TOKENS`]
+//! (`cu/quant_mmq.cu`, for the formats of nearly all decode bytes).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use memra_gguf::GgmlType;
@@ -7,8 +9,78 @@ use memra_gguf::GgmlType;
 use super::ops::{blocks, grid_1d};
 use super::{CudaDevice, CudaError};
 
-/// Tokens one call handles (the kernels keep one accumulator per token in registers).
+/// Tokens one call of the dp4a kernels handles (they keep one accumulator per token in
+/// registers); from here to [`MAX_MMQ_TOKENS`], the tensor-core kernels.
 pub const MAX_TOKENS: usize = 8;
+
+/// Tokens one call of the tensor-core kernels handles (they read the activations of 16
+/// tokens, the last one repeated). Kernels for 32 and 64 were measured and removed: they lost
+/// to the GEMM path on f16 copies (docs/cuda.md).
+pub const MAX_MMQ_TOKENS: usize = 16;
+
+/// The tensor-core kernel for weights of `ty` in rows of `ncols`, where the format has one:
+/// Q4_K and the regrouped Q6_K and Q8_0 (whose chunks of 256 weights the kernels stage).
+fn mmq_kernel(ty: GgmlType, ncols: usize) -> Option<&'static str> {
+    if ncols % 256 != 0 {
+        return None;
+    }
+    match (ty, regrouped(ty, ncols)) {
+        (GgmlType::Q4K, _) => Some("mmq_q4_k_16"),
+        (GgmlType::Q6K, true) => Some("mmq_q6_k_r_16"),
+        (GgmlType::Q8_0, true) => Some("mmq_q8_0_r_16"),
+        _ => None,
+    }
+}
+
+/// Whether [`mmvq_set`] takes up to [`MAX_MMQ_TOKENS`] tokens of weights of `ty` in rows
+/// of `ncols` (else up to [`MAX_TOKENS`]).
+pub fn mmq_supported(ty: GgmlType, ncols: usize) -> bool {
+    mmq_kernel(ty, ncols).is_some()
+}
+
+/// Weight rows a block of the tensor-core kernels takes (MMQ_TILE in quant_mmq.cu).
+const MMQ_TILE: usize = 64;
+/// Blocks a tensor-core launch aims at (two per SM of an H200): a launch of fewer row tiles
+/// splits each row into parts, at most `MMQ_MAX_SPLIT`, over that many blocks. Chosen by the
+/// matrix's shape only, so that a token's sums do not depend on the step's other tokens.
+const MMQ_TARGET_BLOCKS: usize = 264;
+const MMQ_MAX_SPLIT: usize = 8;
+
+/// The row parts of a tensor-core launch over `tiles` row tiles of rows of `ncols`:
+/// (parts, chunks of 256 weights a part), every part non-empty.
+fn mmq_split(tiles: usize, ncols: usize) -> (usize, usize) {
+    let chunks = ncols / 256;
+    let want = MMQ_TARGET_BLOCKS
+        .div_ceil(tiles.max(1))
+        .clamp(1, MMQ_MAX_SPLIT.min(chunks));
+    let per = chunks.div_ceil(want);
+    (chunks.div_ceil(per), per)
+}
+
+/// Floats of the tensor-core kernels' work buffer: the most any launch's split rows need
+/// (parts x tokens x rows, over the launch's matrices; a launch splits only when its row
+/// tiles are fewer than MMQ_TARGET_BLOCKS, so parts x tiles stay below twice that).
+const MMQ_WORK: usize = 2 * MMQ_TARGET_BLOCKS * MMQ_TILE * MAX_MMQ_TOKENS;
+
+/// The tensor-core kernels' work buffers: split rows' partial sums, and a counter per row
+/// tile (zero between launches: the last part of a tile resets it).
+pub struct MmqWork {
+    part: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
+}
+
+impl MmqWork {
+    pub fn new(dev: &CudaDevice) -> Result<MmqWork, CudaError> {
+        Ok(MmqWork {
+            part: dev.stream.alloc_zeros(MMQ_WORK)?,
+            counters: dev.stream.alloc_zeros(MMQ_TARGET_BLOCKS)?,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        4 * (self.part.len() + self.counters.len())
+    }
+}
 
 /// Whether weights of `ty` in rows of `ncols` live on the device regrouped: Q8_0 and Q6_K,
 /// whose blocks leave every field misaligned, in groups of 8 blocks with each field
@@ -73,6 +145,9 @@ pub struct DeviceActs {
     pub q: CudaSlice<i8>,
     pub d: CudaSlice<f32>,
     pub s: CudaSlice<f32>,
+    /// The tensor-core kernels' work buffers, for products of more than MAX_TOKENS tokens
+    /// ([`DeviceActs::with_mmq`]).
+    pub mmq: Option<MmqWork>,
 }
 
 impl DeviceActs {
@@ -87,7 +162,21 @@ impl DeviceActs {
             q: dev.stream.alloc_zeros(n)?,
             d: dev.stream.alloc_zeros(n / 32)?,
             s: dev.stream.alloc_zeros(n / 32)?,
+            mmq: None,
         })
+    }
+
+    /// Room for `n` activations, with the work buffers for products of up to
+    /// [`MAX_MMQ_TOKENS`] tokens.
+    pub fn with_mmq(dev: &CudaDevice, n: usize) -> Result<DeviceActs, CudaError> {
+        let mut a = DeviceActs::new(dev, n)?;
+        a.mmq = Some(MmqWork::new(dev)?);
+        Ok(a)
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 8 * self.d.len() + self.mmq.as_ref().map_or(0, MmqWork::bytes)
     }
 
     /// Quantizes the first `n` values of `x` into this buffer.
@@ -235,7 +324,8 @@ struct Kernels {
     experts: &'static str,
 }
 
-/// Threads per block of every matvec kernel.
+/// Threads per block of every matvec kernel (and of the tensor-core kernels: MMQ_WARPS
+/// warps in quant_mmq.cu).
 const THREADS: u32 = 128;
 
 /// The kernels for weights of `ty` in rows of `ncols`; `None` for the types without any
@@ -305,15 +395,16 @@ pub fn mmvq_set(
     ntok: usize,
 ) -> Result<(), CudaError> {
     let k = kernels(ty, ncols).ok_or(CudaError::Unsupported { op: "matvec", ty })?;
+    if ntok > MAX_TOKENS {
+        return mmq_set(dev, ty, mats, x, ncols, ntok);
+    }
     let (name, rows_per_block) = if ntok == 1 { k.one } else { k.batch };
     let row_bytes = ty
         .row_bytes(ncols as u64)
         .ok_or_else(|| CudaError::Invalid(format!("{ncols} columns are not whole {ty} blocks")))?
         as usize;
-    if !(1..=MAX_TOKENS).contains(&ntok) {
-        return Err(CudaError::Invalid(format!(
-            "{ntok} tokens (1 to {MAX_TOKENS})"
-        )));
+    if ntok == 0 {
+        return Err(CudaError::Invalid("0 tokens".into()));
     }
     if mats.is_empty() || mats.len() > 3 || x.q.len() < ntok * ncols || ncols % 32 != 0 {
         return Err(CudaError::Invalid("matvec: shapes".into()));
@@ -357,6 +448,125 @@ pub fn mmvq_set(
             .arg(&x.s)
             .arg(&c)
             .arg(&t)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// The tensor-core kernels' description of up to three matrices (`MmqSet` in quant_mmq.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MmqSet {
+    w: [u64; 3],
+    y: [u64; 3],
+    nrows: [i32; 3],
+    first: [i32; 4],
+    part: [i64; 3],
+}
+
+// SAFETY: plain data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for MmqSet {}
+
+/// [`mmvq_set`] for 9 to [`MAX_MMQ_TOKENS`] tokens, on the int8 tensor cores.
+fn mmq_set(
+    dev: &CudaDevice,
+    ty: GgmlType,
+    mats: &mut [(&CudaSlice<u8>, &mut CudaSlice<f32>, usize)],
+    x: &DeviceActs,
+    ncols: usize,
+    ntok: usize,
+) -> Result<(), CudaError> {
+    let name = mmq_kernel(ty, ncols).ok_or_else(|| {
+        CudaError::Invalid(format!(
+            "{ntok} tokens of {ty} in rows of {ncols} (at most {MAX_TOKENS})"
+        ))
+    })?;
+    if ntok > MAX_MMQ_TOKENS {
+        return Err(CudaError::Invalid(format!(
+            "{ntok} tokens (at most {MAX_MMQ_TOKENS})"
+        )));
+    }
+    let work = x.mmq.as_ref().ok_or_else(|| {
+        CudaError::Invalid("activations without the tensor-core work buffers".into())
+    })?;
+    if mats.is_empty() || mats.len() > 3 || x.q.len() < ntok * ncols {
+        return Err(CudaError::Invalid("matvec: shapes".into()));
+    }
+    let row_bytes = ty.row_bytes(ncols as u64).expect("whole blocks") as usize;
+    let mut set = MmqSet {
+        w: [0; 3],
+        y: [0; 3],
+        nrows: [0; 3],
+        first: [0; 4],
+        part: [0; 3],
+    };
+    let mut tiles = 0usize;
+    for (i, (w, y, nrows)) in mats.iter_mut().enumerate() {
+        if *nrows == 0 || w.len() < row_bytes * *nrows || y.len() < ntok * *nrows {
+            return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
+        }
+        set.w[i] = w.device_ptr(&dev.stream).0;
+        set.y[i] = y.device_ptr_mut(&dev.stream).0;
+        set.nrows[i] = *nrows as i32;
+        set.first[i] = tiles as i32;
+        tiles += nrows.div_ceil(MMQ_TILE);
+    }
+    for i in mats.len()..4 {
+        set.first[i] = tiles as i32;
+    }
+    let (parts, _) = mmq_split(tiles, ncols);
+    if parts > 1 {
+        let mut at = 0usize;
+        for (i, (_, _, nrows)) in mats.iter().enumerate() {
+            set.part[i] = at as i64;
+            at += parts * ntok * *nrows;
+        }
+        if at > work.part.len() || tiles > work.counters.len() {
+            return Err(CudaError::Invalid(format!(
+                "tensor-core work of {at} floats and {tiles} tiles (room for {} and {})",
+                work.part.len(),
+                work.counters.len()
+            )));
+        }
+    }
+    let f = dev.function("quant_mmq", name)?;
+    // Two stages of the weights' rows and 16 tokens' activations (Stage in quant_mmq.cu).
+    let staged_row = match ty {
+        GgmlType::Q4K => 160,
+        GgmlType::Q6K => 240,
+        _ => 288,
+    };
+    let smem = 2 * (MMQ_TILE * staged_row + MAX_MMQ_TOKENS * (288 + 2 * 32));
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: (tiles as u32, parts as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (c, t) = (ncols as i32, ntok as i32);
+    let (part, counters) = (
+        work.part.device_ptr(&dev.stream).0,
+        work.counters.device_ptr(&dev.stream).0,
+    );
+    // SAFETY: every matrix and output was checked against its shape and the work buffer
+    // against the split rows' sums; the kernel reads `nrows` rows of each `w` and `ntok x
+    // ncols` activations, writes `ntok x nrows` of each `y`, its parts' sums and the tile
+    // counters (which it leaves at zero). The work buffers are written through a shared
+    // reference: only the launches of this stream use them, one after another.
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(&set)
+            .arg(&x.q)
+            .arg(&x.d)
+            .arg(&x.s)
+            .arg(&c)
+            .arg(&t)
+            .arg(&part)
+            .arg(&counters)
             .launch(cfg)?;
     }
     Ok(())
@@ -521,51 +731,7 @@ pub(crate) mod tests {
                 }
                 let w = random_weights(ty, ncols, nrows, &mut seed);
                 for ntok in [1usize, 3, 8] {
-                    let x: Vec<f32> = (0..ntok * ncols)
-                        .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
-                        .collect();
-                    let wd = upload_weights(&dev, &w, ty, ncols).unwrap();
-                    let xd = dev.stream.clone_htod(&x).unwrap();
-                    let mut yd = dev
-                        .stream
-                        .clone_htod(&vec![f32::NAN; ntok * nrows])
-                        .unwrap();
-                    let mut acts = DeviceActs::new(&dev, ntok * ncols).unwrap();
-                    acts.quantize(&dev, &xd, ntok * ncols).unwrap();
-                    mmvq(&dev, ty, &wd, &acts, &mut yd, ncols, nrows, ntok).unwrap();
-                    let y = dev.stream.clone_dtoh(&yd).unwrap();
-                    // The activations as the kernel sees them: int8 per 32, scale amax/127.
-                    let x: Vec<f32> = x
-                        .chunks_exact(32)
-                        .flat_map(|c| {
-                            let d = c.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
-                            c.iter()
-                                .map(move |v| if d == 0.0 { 0.0 } else { (v / d).round() * d })
-                                .collect::<Vec<_>>()
-                        })
-                        .collect();
-                    let rb = ty.row_bytes(ncols as u64).unwrap() as usize;
-                    for r in 0..nrows {
-                        let wr = dequantize_to_vec(ty, &w[r * rb..(r + 1) * rb]).unwrap();
-                        for t in 0..ntok {
-                            let xt = &x[t * ncols..(t + 1) * ncols];
-                            let want: f64 = wr
-                                .iter()
-                                .zip(xt)
-                                .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                                .sum();
-                            let mag: f64 = wr
-                                .iter()
-                                .zip(xt)
-                                .map(|(a, b)| f64::from((a * b).abs()))
-                                .sum();
-                            let got = f64::from(y[t * nrows + r]);
-                            assert!(
-                                (got - want).abs() <= 1e-5 * mag + 1e-6,
-                                "{ty} {ncols}x{nrows} t{t} row {r}: {got} vs {want}"
-                            );
-                        }
-                    }
+                    check_products(&dev, ty, &w, ncols, nrows, ntok, &mut seed);
                 }
             }
         }
@@ -580,6 +746,180 @@ pub(crate) mod tests {
             1,
         );
         assert!(matches!(none, Err(CudaError::Unsupported { .. })));
+    }
+
+    /// Multiplies `w` (`nrows` rows of `ncols` weights of `ty`) with `ntok` random tokens on
+    /// the device and checks each product against f64 sums of the dequantized weights and
+    /// the activations as the kernels round them (int8 per 32, scale amax / 127).
+    fn check_products(
+        dev: &CudaDevice,
+        ty: GgmlType,
+        w: &[u8],
+        ncols: usize,
+        nrows: usize,
+        ntok: usize,
+        seed: &mut u64,
+    ) {
+        let x: Vec<f32> = (0..ntok * ncols)
+            .map(|_| (lcg(seed) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let wd = upload_weights(dev, w, ty, ncols).unwrap();
+        let xd = dev.stream.clone_htod(&x).unwrap();
+        let mut yd = dev
+            .stream
+            .clone_htod(&vec![f32::NAN; ntok * nrows])
+            .unwrap();
+        let mut acts = DeviceActs::with_mmq(dev, ntok * ncols).unwrap();
+        acts.quantize(dev, &xd, ntok * ncols).unwrap();
+        mmvq(dev, ty, &wd, &acts, &mut yd, ncols, nrows, ntok).unwrap();
+        let y = dev.stream.clone_dtoh(&yd).unwrap();
+        let x: Vec<f32> = x
+            .chunks_exact(32)
+            .flat_map(|c| {
+                let d = c.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                c.iter()
+                    .map(move |v| if d == 0.0 { 0.0 } else { (v / d).round() * d })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let rb = ty.row_bytes(ncols as u64).unwrap() as usize;
+        for r in 0..nrows {
+            let wr = dequantize_to_vec(ty, &w[r * rb..(r + 1) * rb]).unwrap();
+            for t in 0..ntok {
+                let xt = &x[t * ncols..(t + 1) * ncols];
+                let want: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                let mag: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(a, b)| f64::from((a * b).abs()))
+                    .sum();
+                let got = f64::from(y[t * nrows + r]);
+                assert!(
+                    (got - want).abs() <= 1e-5 * mag + 1e-6,
+                    "{ty} {ncols}x{nrows} {ntok} tokens, t{t} row {r}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn mmq_splits_cover_the_row_in_non_empty_parts() {
+        for ncols in (256..=16384).step_by(256) {
+            let chunks = ncols / 256;
+            for tiles in [1usize, 2, 3, 16, 64, 96, 263, 264, 2004] {
+                let (parts, per) = mmq_split(tiles, ncols);
+                assert!((1..=MMQ_MAX_SPLIT.min(chunks)).contains(&parts));
+                // The kernel's parts: ceil(chunks / parts) each, the last one not empty.
+                let per_k = chunks.div_ceil(parts);
+                assert!(per_k <= per && (parts - 1) * per_k < chunks && parts * per_k >= chunks);
+                if tiles >= MMQ_TARGET_BLOCKS {
+                    assert_eq!(parts, 1, "{tiles} tiles");
+                } else {
+                    assert!(parts * tiles * MMQ_TILE * MAX_MMQ_TOKENS <= MMQ_WORK);
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_mmq_matches_the_cpu_reference() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 29u64;
+        for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
+            // Rows that fill no tile of 64, one, and several; rows split in 4 to 8 parts
+            // (few tiles) and not split (one chunk of 256 columns; enough tiles).
+            let shapes = [
+                (256usize, 5usize),
+                (4096, 130),
+                (2048, 64),
+                (1024, 37),
+                (6144, 21),
+                (2048, 16900),
+            ];
+            for (ncols, nrows) in shapes {
+                if !mmq_supported(ty, ncols) {
+                    // Q6_K rows that are not whole groups of 8 blocks (not regrouped).
+                    assert!(ty == GgmlType::Q6K && ncols % 2048 != 0, "{ty} {ncols}");
+                    continue;
+                }
+                let w = random_weights(ty, ncols, nrows, &mut seed);
+                let toks: &[usize] = match nrows {
+                    16900 => &[16],
+                    _ => &[9, 12, 16],
+                };
+                for &ntok in toks {
+                    check_products(&dev, ty, &w, ncols, nrows, ntok, &mut seed);
+                }
+            }
+        }
+        // Too many tokens, a format without tensor-core kernels, activations without the
+        // work buffers, too few activations.
+        let w = dev.stream.alloc_zeros::<u8>(176 * 16).unwrap();
+        let mut y = dev.stream.alloc_zeros::<f32>(65 * 16).unwrap();
+        let acts = DeviceActs::with_mmq(&dev, 65 * 256).unwrap();
+        assert!(mmvq(&dev, GgmlType::Q4K, &w, &acts, &mut y, 256, 16, 17).is_err());
+        assert!(mmvq(&dev, GgmlType::Q5K, &w, &acts, &mut y, 256, 16, 9).is_err());
+        let plain = DeviceActs::new(&dev, 12 * 256).unwrap();
+        assert!(mmvq(&dev, GgmlType::Q4K, &w, &plain, &mut y, 256, 16, 12).is_err());
+        let short = DeviceActs::with_mmq(&dev, 11 * 256).unwrap();
+        assert!(mmvq(&dev, GgmlType::Q4K, &w, &short, &mut y, 256, 16, 12).is_err());
+    }
+
+    /// The tensor-core kernels' 16 tokens against the dp4a kernels' 8 on the llama3-8b shapes:
+    /// `--ignored gpu_mmq_bandwidth --nocapture`.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_mmq_bandwidth() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 5u64;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let shapes = [
+            (GgmlType::Q4K, 4096usize, 14336usize),
+            (GgmlType::Q4K, 4096, 4096),
+            (GgmlType::Q4K, 4096, 1024),
+            (GgmlType::Q4K, 14336, 4096),
+            (GgmlType::Q6K, 14336, 4096),
+            (GgmlType::Q6K, 4096, 128256),
+            (GgmlType::Q8_0, 4096, 14336),
+        ];
+        for (ty, ncols, nrows) in shapes {
+            let w = random_weights(ty, ncols, nrows, &mut seed);
+            let copies = (256_000_000 / w.len()).clamp(1, 16);
+            let wd: Vec<_> = (0..copies)
+                .map(|_| upload_weights(&dev, &w, ty, ncols).unwrap())
+                .collect();
+            let xd = dev.stream.clone_htod(&vec![0.5f32; 16 * ncols]).unwrap();
+            let mut acts = DeviceActs::with_mmq(&dev, 16 * ncols).unwrap();
+            acts.quantize(&dev, &xd, 16 * ncols).unwrap();
+            let mut yd = dev.stream.alloc_zeros::<f32>(16 * nrows).unwrap();
+            for ntok in [8usize, 16] {
+                let mut times = Vec::new();
+                let mut i = 0;
+                for rep in 0..12 {
+                    let start = dev.stream.record_event(timing).unwrap();
+                    for _ in 0..20 {
+                        i = (i + 1) % copies;
+                        mmvq(&dev, ty, &wd[i], &acts, &mut yd, ncols, nrows, ntok).unwrap();
+                    }
+                    let end = dev.stream.record_event(timing).unwrap();
+                    if rep >= 2 {
+                        times.push(f64::from(start.elapsed_ms(&end).unwrap()) / 20.0);
+                    }
+                }
+                times.sort_by(f64::total_cmp);
+                let ms = times[times.len() / 2];
+                eprintln!(
+                    "{ty} {ncols}x{nrows}, {ntok} tokens: {:.1} us, {:.2} TB/s of weights",
+                    ms * 1e3,
+                    w.len() as f64 / (ms / 1e3) / 1e12
+                );
+            }
+        }
     }
 
     /// Effective bandwidth on the llama3-8b shapes: `--ignored gpu_matvec_bandwidth --nocapture`.

@@ -4,7 +4,7 @@
 //! dequantized one matrix (or chunk of rows) at a time into a scratch buffer, and paged
 //! flash attention. Mixture-of-experts FFNs run through the decode kernels, every token's
 //! chosen experts in one launch per projection. The rows that need logits go through the
-//! decode kernels (up to [`MAX_DECODE_ROWS`]) or one output GEMM.
+//! decode kernels (up to [`MAX_MATVEC_ROWS`]) or one output GEMM.
 
 use cudarc::driver::{CudaSlice, CudaView};
 use half::f16;
@@ -12,7 +12,7 @@ use half::f16;
 #[cfg(doc)]
 use super::buffers::MAX_BATCH;
 use super::buffers::{
-    gemm_chunk_rows, BatchBuffers, StepBuffers, Widths, GEMM_SCRATCH, MAX_DECODE_ROWS,
+    gemm_chunk_rows, BatchBuffers, StepBuffers, Widths, GEMM_SCRATCH, MAX_MATVEC_ROWS,
 };
 use super::decode::{moe_ffn, output_logits, qk_extras};
 use super::gemm::Gemm;
@@ -30,9 +30,18 @@ pub(super) enum Logits {
     Device { best: bool },
     /// Rows on the host (soft-capped where the model caps them).
     Host(Vec<f32>),
-    /// Rows of the batch buffers' logits on the device (not soft-capped), with each row's
-    /// argmax.
-    Rows { best: Vec<u32> },
+    /// Rows of logits on the device (not soft-capped), in the step's or the batch's
+    /// buffers, with each row's argmax.
+    Rows { best: Vec<u32>, on: RowsOn },
+}
+
+/// Where a [`Logits::Rows`] result lies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RowsOn {
+    /// `step.logits`, argmaxes in `step.best` (a decode step of several rows).
+    Step,
+    /// The batch buffers' `logits`, argmaxes in their `best` (a prompt batch).
+    Batch,
 }
 
 /// One prompt batch's launches over the batch buffers (and the step buffers, for the
@@ -254,7 +263,7 @@ impl LayerOps for PromptPass<'_> {
             return Ok(());
         }
         let (norm, out) = (&self.w.output_norm, &self.w.output);
-        if rows.len() <= MAX_DECODE_ROWS {
+        if rows.len() <= MAX_MATVEC_ROWS {
             // Few rows: their residual streams into the step buffers and the decode
             // kernels (no dequantized output matrix).
             let (bb, s) = (&*self.bb, &mut *self.step);
@@ -319,6 +328,7 @@ impl LayerOps for PromptPass<'_> {
         let best = dev.stream.clone_dtoh(&bb.best.slice(..r))?;
         self.logits = Some(Logits::Rows {
             best: best.into_iter().map(|b| b as u32).collect(),
+            on: RowsOn::Batch,
         });
         Ok(())
     }

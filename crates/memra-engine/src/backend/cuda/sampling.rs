@@ -119,6 +119,75 @@ pub fn apply_token_mask(
     Ok(())
 }
 
+/// The masks of several rows of `x` (rows of `n` logits) in one launch: `list` holds the
+/// `n_rows` row numbers, then `n_rows` masks of `n.div_ceil(32)` words each (token `t` of
+/// row `list[j]` stays where bit `t % 32` of word `t / 32` of mask `j` is set).
+pub fn apply_token_masks(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<f32>,
+    n: usize,
+    list: &CudaSlice<u32>,
+    n_rows: usize,
+) -> Result<(), CudaError> {
+    let words = n.div_ceil(32);
+    check(
+        n > 0 && n_rows > 0 && list.len() >= n_rows * (1 + words),
+        "apply_token_masks: shapes",
+    )?;
+    // The rows are checked on the host side of the copy: the caller's row numbers.
+    let f = dev.function("sampling", "apply_token_masks")?;
+    let (n_i, rows_i, words_i) = (n as i32, n_rows as i32, words as i32);
+    let mut cfg = grid_1d(n);
+    cfg.grid_dim.1 = n_rows as u32;
+    // SAFETY: the list holds n_rows rows and masks (checked above); every row number is
+    // below x.len() / n (the caller's contract, `mask_rows_on_device`).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(x)
+            .arg(&n_i)
+            .arg(list)
+            .arg(&rows_i)
+            .arg(&words_i)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Bans what `masks` ban in rows `rows` of `x` (rows of `n` logits), uploading them
+/// through `list` (grown as needed) in one copy: each mask padded with zero words (tokens
+/// past a mask are banned) or cut to the vocabulary's words.
+pub fn mask_rows_on_device(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<f32>,
+    n: usize,
+    list: &mut CudaSlice<u32>,
+    rows: &[usize],
+    masks: &[&[u32]],
+) -> Result<(), CudaError> {
+    let words = n.div_ceil(32);
+    check(
+        rows.len() == masks.len() && rows.iter().all(|&r| (r + 1) * n <= x.len()),
+        "mask_rows_on_device: rows",
+    )?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    for m in masks {
+        let at = host.len();
+        host.resize(at + words, 0);
+        let k = m.len().min(words);
+        host[at..at + k].copy_from_slice(&m[..k]);
+    }
+    if list.len() < host.len() {
+        *list = dev.stream.alloc_zeros(host.len().next_power_of_two())?;
+    }
+    dev.stream
+        .memcpy_htod(&host, &mut list.slice_mut(..host.len()))?;
+    apply_token_masks(dev, x, n, list, rows.len())
+}
+
 /// Buffers of the device sampler: the logit adjustments of a step and the result.
 pub struct DeviceSampler {
     ids: CudaSlice<i32>,
@@ -301,6 +370,61 @@ mod tests {
     /// vocabulary), then the greedy pick and the sampled pick after each against the CPU's
     /// on the masked logits: same values (exactly: -inf or untouched), same tokens, and
     /// every pick an allowed token.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_token_masks_of_rows_match_the_cpu_masking() {
+        use crate::constraint::apply_mask;
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 17u64;
+        let mut rnd = |m: u64| lcg(&mut seed) % m;
+        let mut list = dev.stream.alloc_zeros::<u32>(1).unwrap();
+        let mut best = dev.stream.alloc_zeros::<i32>(64).unwrap();
+        for case in 0..24 {
+            let n = [1000usize, 32000, 128256, 151936][case % 4];
+            let n_rows = 1 + rnd(64) as usize;
+            let logits: Vec<f32> = (0..n_rows * n)
+                .map(|_| rnd(1_000_000) as f32 / 1e5 - 5.0)
+                .collect();
+            // Some rows masked, with masks of every length: the vocabulary's words, fewer
+            // (the rest banned), more (cut).
+            let rows: Vec<usize> = (0..n_rows).filter(|_| rnd(3) != 0).collect();
+            let masks: Vec<Vec<u32>> = rows
+                .iter()
+                .map(|_| {
+                    let words = (n.div_ceil(32) as i64 + rnd(7) as i64 - 3).max(1) as usize;
+                    let mut m: Vec<u32> = (0..words).map(|_| rnd(1 << 32) as u32).collect();
+                    m[0] |= 1;
+                    m
+                })
+                .collect();
+            let mut want = logits.clone();
+            for (&r, m) in rows.iter().zip(&masks) {
+                apply_mask(&mut want[r * n..(r + 1) * n], m);
+            }
+            let mut ld = dev.stream.clone_htod(&logits).unwrap();
+            let refs: Vec<&[u32]> = masks.iter().map(Vec::as_slice).collect();
+            mask_rows_on_device(&dev, &mut ld, n, &mut list, &rows, &refs).unwrap();
+            let got = dev.stream.clone_dtoh(&ld).unwrap();
+            assert!(
+                want.iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "case {case}: {n_rows} rows of {n}, {} masked: logits differ",
+                rows.len()
+            );
+            argmax_rows(&dev, &ld, n_rows, n, &mut best).unwrap();
+            let got = dev.stream.clone_dtoh(&best).unwrap();
+            for r in 0..n_rows {
+                let w = crate::sampler::argmax(&want[r * n..(r + 1) * n]);
+                assert_eq!(got[r] as u32, w, "case {case}: row {r}'s greedy pick");
+            }
+        }
+        // A row past the logits is refused before anything runs.
+        let mut ld = dev.stream.alloc_zeros::<f32>(2 * 1000).unwrap();
+        let m = [u32::MAX; 32];
+        assert!(mask_rows_on_device(&dev, &mut ld, 1000, &mut list, &[2], &[&m]).is_err());
+    }
+
     #[test]
     #[ignore = "needs an NVIDIA GPU"]
     fn gpu_token_mask_matches_the_cpu_masking() {

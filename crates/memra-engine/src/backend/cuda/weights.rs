@@ -134,6 +134,23 @@ pub(super) struct GpuWeights {
     pub(super) f16_bytes: usize,
 }
 
+impl GpuWeights {
+    /// Whether every matrix of a decode step has tensor-core kernels (`matvec::mmq_supported`),
+    /// so that a step takes up to `MAX_DECODE_ROWS` sequences; expert layers go through the
+    /// expert mat-vec kernels, up to `MAX_MATVEC_ROWS`.
+    pub(super) fn tensor_core_decode(&self) -> bool {
+        let ok = |l: &GpuLinear| super::matvec::mmq_supported(l.ty, l.n_in);
+        ok(&self.output)
+            && self.layers.iter().all(|l| {
+                let ffn = match &l.ffn {
+                    GpuFfn::Dense { gate, up, down } => ok(gate) && ok(up) && ok(down),
+                    GpuFfn::Experts(_) => false,
+                };
+                ffn && ok(&l.wq) && ok(&l.wk) && ok(&l.wv) && ok(&l.wo)
+            })
+    }
+}
+
 /// Bytes of `model`'s matrices in the file (what the upload will take).
 pub(super) fn matrix_bytes(model: &Decoder) -> usize {
     let mut weight_bytes = model.output.byte_len() + model.token_embd.byte_len();
