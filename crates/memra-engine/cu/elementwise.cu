@@ -3,6 +3,26 @@
 // quant_matvec.cu).
 #include "common.cuh"
 
+// The rows of a fused q/k/v product (n x (nq + nk + nv)) into q, k and v (n x nq, n x nk,
+// n x nv).
+extern "C" __global__ void split_qkv(const float* __restrict__ y, float* __restrict__ q, float* __restrict__ k,
+                                     float* __restrict__ v, int nq, int nk, int nv, int n) {
+    PDL_WAIT();
+    const int w = nq + nk + nv;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * w) return;
+    const size_t t = i / w;
+    const int c = (int)(i % w);
+    const float x = y[i];
+    if (c < nq) {
+        q[t * nq + c] = x;
+    } else if (c < nq + nk) {
+        k[t * nk + c - nq] = x;
+    } else {
+        v[t * nv + c - nq - nk] = x;
+    }
+}
+
 // y[r][i] += b[i] for rows of length n (total elements `total`).
 extern "C" __global__ void add_bias_f32(float* __restrict__ y, const float* __restrict__ b, int n, int total) {
     PDL_WAIT();

@@ -322,6 +322,8 @@ pub struct BatchBuffers {
     pub q: CudaSlice<f32>,
     pub k: CudaSlice<f32>,
     pub v: CudaSlice<f32>,
+    /// The fused q/k/v product's rows before they are split (layers with `qkv16`).
+    pub qkv: Option<CudaSlice<f32>>,
     pub o: CudaSlice<f32>,
     pub g: CudaSlice<f32>,
     pub u: CudaSlice<f32>,
@@ -352,6 +354,7 @@ impl BatchBuffers {
     ) -> Result<BatchBuffers, CudaError> {
         let b = MAX_BATCH;
         let has_experts = layers.iter().any(|l| l.ffn.experts().is_some());
+        let fused = layers.iter().any(|l| l.qkv16.is_some());
         let s = &dev.stream;
         Ok(BatchBuffers {
             meta: StepMeta::new(dev, b, b, max_blocks)?,
@@ -361,6 +364,10 @@ impl BatchBuffers {
             q: s.alloc_zeros(b * w.q_len)?,
             k: s.alloc_zeros(b * w.kv_len)?,
             v: s.alloc_zeros(b * w.kv_len)?,
+            qkv: match fused {
+                true => Some(s.alloc_zeros(b * (w.q_len + 2 * w.kv_len))?),
+                false => None,
+            },
             o: s.alloc_zeros(b * w.n_embd)?,
             g: s.alloc_zeros((b * w.ffn).max(1))?,
             u: s.alloc_zeros((b * w.ffn).max(1))?,
@@ -402,9 +409,7 @@ impl BatchBuffers {
             + bytes_of(&self.best)
             + self.meta.bytes()
             + self.moe.bytes()
-            + self
-                .moe_acts
-                .as_ref()
-                .map_or(0, |a| bytes_of(&a.q) + 2 * bytes_of(&a.d))
+            + self.moe_acts.as_ref().map_or(0, DeviceActs::bytes)
+            + self.qkv.as_ref().map_or(0, bytes_of)
     }
 }

@@ -384,6 +384,38 @@ struct MatvecSet {
 // SAFETY: plain data, laid out as the kernel's struct.
 unsafe impl DeviceRepr for MatvecSet {}
 
+/// The kernels' description of `mats` (`(weights, output, rows)` each, rows of `row_bytes`,
+/// `ntok` tokens), each matrix taking `rows_per_block` rows a block, and the blocks in all.
+fn matvec_set(
+    dev: &CudaDevice,
+    mats: &mut [(&CudaSlice<u8>, &mut CudaSlice<f32>, usize)],
+    ntok: usize,
+    row_bytes: usize,
+    rows_per_block: usize,
+) -> Result<(MatvecSet, usize), CudaError> {
+    let mut set = MatvecSet {
+        w: [0; 3],
+        y: [0; 3],
+        nrows: [0; 3],
+        first: [0; 4],
+    };
+    let mut blocks = 0usize;
+    for (i, (w, y, nrows)) in mats.iter_mut().enumerate() {
+        if *nrows == 0 || w.len() < row_bytes * *nrows || y.len() < ntok * *nrows {
+            return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
+        }
+        set.w[i] = w.device_ptr(&dev.stream).0;
+        set.y[i] = y.device_ptr_mut(&dev.stream).0;
+        set.nrows[i] = *nrows as i32;
+        set.first[i] = blocks as i32;
+        blocks += nrows.div_ceil(rows_per_block);
+    }
+    for i in mats.len()..4 {
+        set.first[i] = blocks as i32;
+    }
+    Ok((set, blocks))
+}
+
 /// [`mmvq`] for one to three matrices of type `ty` with the same input, in one launch:
 /// `(weights, output, rows)` each.
 pub fn mmvq_set(
@@ -409,26 +441,8 @@ pub fn mmvq_set(
     if mats.is_empty() || mats.len() > 3 || x.q.len() < ntok * ncols || ncols % 32 != 0 {
         return Err(CudaError::Invalid("matvec: shapes".into()));
     }
-    let mut set = MatvecSet {
-        w: [0; 3],
-        y: [0; 3],
-        nrows: [0; 3],
-        first: [0; 4],
-    };
-    let mut blocks = 0u32;
-    for (i, (w, y, nrows)) in mats.iter_mut().enumerate() {
-        if w.len() < row_bytes * *nrows || y.len() < ntok * *nrows {
-            return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
-        }
-        set.w[i] = w.device_ptr(&dev.stream).0;
-        set.y[i] = y.device_ptr_mut(&dev.stream).0;
-        set.nrows[i] = *nrows as i32;
-        set.first[i] = blocks as i32;
-        blocks += (*nrows as u32).div_ceil(rows_per_block);
-    }
-    for i in mats.len()..4 {
-        set.first[i] = blocks as i32;
-    }
+    let (set, blocks) = matvec_set(dev, mats, ntok, row_bytes, rows_per_block as usize)?;
+    let blocks = blocks as u32;
     let f = dev.function("quant_matvec", name)?;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -457,10 +471,9 @@ pub fn mmvq_set(
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct MmqSet {
-    w: [u64; 3],
-    y: [u64; 3],
-    nrows: [i32; 3],
-    first: [i32; 4],
+    /// The same fields as the mat-vec kernels' (C lays `part` out after them at the same
+    /// offset: both structs align to 8).
+    mats: MatvecSet,
     part: [i64; 3],
 }
 
@@ -493,27 +506,11 @@ fn mmq_set(
         return Err(CudaError::Invalid("matvec: shapes".into()));
     }
     let row_bytes = ty.row_bytes(ncols as u64).expect("whole blocks") as usize;
+    let (mats_set, tiles) = matvec_set(dev, mats, ntok, row_bytes, MMQ_TILE)?;
     let mut set = MmqSet {
-        w: [0; 3],
-        y: [0; 3],
-        nrows: [0; 3],
-        first: [0; 4],
+        mats: mats_set,
         part: [0; 3],
     };
-    let mut tiles = 0usize;
-    for (i, (w, y, nrows)) in mats.iter_mut().enumerate() {
-        if *nrows == 0 || w.len() < row_bytes * *nrows || y.len() < ntok * *nrows {
-            return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
-        }
-        set.w[i] = w.device_ptr(&dev.stream).0;
-        set.y[i] = y.device_ptr_mut(&dev.stream).0;
-        set.nrows[i] = *nrows as i32;
-        set.first[i] = tiles as i32;
-        tiles += nrows.div_ceil(MMQ_TILE);
-    }
-    for i in mats.len()..4 {
-        set.first[i] = tiles as i32;
-    }
     let (parts, _) = mmq_split(tiles, ncols);
     if parts > 1 {
         let mut at = 0usize;

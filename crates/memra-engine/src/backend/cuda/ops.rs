@@ -60,6 +60,41 @@ pub fn rms_norm_inplace(
     Ok(())
 }
 
+/// The `n` rows of a fused q/k/v product (`nq + nk + nv` values each) into `q`, `k` and `v`.
+#[allow(clippy::too_many_arguments)]
+pub fn split_qkv(
+    dev: &CudaDevice,
+    y: &CudaSlice<f32>,
+    q: &mut CudaSlice<f32>,
+    k: &mut CudaSlice<f32>,
+    v: &mut CudaSlice<f32>,
+    (nq, nk, nv): (usize, usize, usize),
+    n: usize,
+) -> Result<(), CudaError> {
+    let total = n * (nq + nk + nv);
+    check(
+        y.len() >= total && q.len() >= n * nq && k.len() >= n * nk && v.len() >= n * nv,
+        "split_qkv: shapes",
+    )?;
+    let f = dev.function("elementwise", "split_qkv")?;
+    let (a, b, c, n_i) = (nq as i32, nk as i32, nv as i32, n as i32);
+    // SAFETY: n rows of each buffer (checked).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(y)
+            .arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(&a)
+            .arg(&b)
+            .arg(&c)
+            .arg(&n_i)
+            .launch(grid_1d(total))?;
+    }
+    Ok(())
+}
+
 /// `y[i] += b[i % b.len()]` for the first `total` elements.
 pub fn add_bias(
     dev: &CudaDevice,

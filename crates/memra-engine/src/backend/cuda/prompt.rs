@@ -143,9 +143,19 @@ impl LayerOps for PromptPass<'_> {
     fn attention(&mut self, li: usize) -> Result<(), CudaError> {
         let (dev, n, l) = (self.dev, self.n, &self.w.layers[li]);
         self.add_norm(&l.attn_norm)?;
-        self.linear(&l.wq, Out::Q)?;
-        self.linear(&l.wk, Out::K)?;
-        self.linear(&l.wv, Out::V)?;
+        if let Some(h) = &l.qkv16 {
+            // One GEMM for q, k and v, its rows split after.
+            let bb = &mut *self.bb;
+            let (nq, nk, nv) = (l.wq.n_out, l.wk.n_out, l.wv.n_out);
+            let (xh, m, k) = (bb.xh.slice(..n * l.wq.n_in), nq + nk + nv, l.wq.n_in);
+            let y = bb.qkv.as_mut().expect("allocated for qkv16");
+            bb.gemm.f16_f32(dev, &h.slice(..), &xh, y, 0, m, n, k, m)?;
+            ops::split_qkv(dev, y, &mut bb.q, &mut bb.k, &mut bb.v, (nq, nk, nv), n)?;
+        } else {
+            self.linear(&l.wq, Out::Q)?;
+            self.linear(&l.wk, Out::K)?;
+            self.linear(&l.wv, Out::V)?;
+        }
         let bb = &mut *self.bb;
         qk_extras(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n, self.hp.rms_eps)?;
         let (pos, slots) = (bb.meta.pos(), bb.meta.slots());
@@ -378,6 +388,12 @@ fn linear(
 ) -> Result<(), CudaError> {
     let rb = w.row_bytes();
     let (m, k) = (w.n_out, w.n_in);
+    if w.in_qkv {
+        // No scratch was sized for it: its rows are in the layer's fused copy.
+        return Err(CudaError::Invalid(
+            "q, k and v of this layer go through their fused f16 copy".into(),
+        ));
+    }
     if w.ty == memra_gguf::GgmlType::F16 {
         let all = w.w.slice(..m * rb);
         return gemm.f16_f32(dev, &all, x, y, 0, m, n, k, m);

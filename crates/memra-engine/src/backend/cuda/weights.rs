@@ -22,6 +22,8 @@ pub(super) struct GpuLinear {
     /// The matrix dequantized to f16 once, for the GEMMs of prompts and many decodes
     /// (which otherwise dequantize it into a scratch buffer at every batch).
     pub(super) f16: Option<CudaSlice<f16>>,
+    /// Its f16 copy is rows of its layer's `qkv16` instead (q, k or v).
+    pub(super) in_qkv: bool,
 }
 
 impl GpuLinear {
@@ -34,7 +36,7 @@ impl GpuLinear {
     /// Whether the GEMMs find the matrix in f16 (an F16 matrix, or an f16 copy): no
     /// dequantization into the scratch buffer.
     pub(super) fn has_f16(&self) -> bool {
-        self.f16.is_some() || self.ty == memra_gguf::GgmlType::F16
+        self.f16.is_some() || self.in_qkv || self.ty == memra_gguf::GgmlType::F16
     }
 
     /// Bytes an f16 copy takes (none for a matrix that is f16 already).
@@ -63,6 +65,10 @@ pub(super) struct GpuLayer {
     pub(super) post_ffn_norm: Option<CudaSlice<f32>>,
     pub(super) rope: DeviceRope,
     pub(super) attn: AttentionShape,
+    /// f16 copies of wq, wk and wv as one matrix (their rows in that order), which one GEMM
+    /// multiplies: cuBLAS ran k and v (1024 x 4096 for an 8B) alone at a third of a TB/s
+    /// for batches of 2 to 256 rows (docs/cuda.md).
+    pub(super) qkv16: Option<CudaSlice<f16>>,
 }
 
 pub(super) enum GpuFfn {
@@ -211,6 +217,7 @@ impl GpuWeights {
                 n_in: l.n_in(),
                 n_out: l.n_out(),
                 f16: None,
+                in_qkv: false,
             })
         };
         let mut layers = Vec::with_capacity(model.layers.len());
@@ -287,6 +294,7 @@ impl GpuWeights {
                     freq_factors: opt(&l.rope.freq_factors, &mut up_f32)?,
                 },
                 attn,
+                qkv16: None,
             });
         }
         let output_norm = up_f32(&model.output_norm)?;
@@ -330,23 +338,55 @@ impl GpuWeights {
     /// first: on the H200 that is the whole cost of a many-decode step (docs/cuda.md).
     pub(super) fn keep_f16(&mut self, dev: &CudaDevice) -> Result<(), CudaError> {
         let mut bytes = 0;
+        // q, k and v in one copy where none is f16 already.
+        for l in &mut self.layers {
+            let qkv = [&mut l.wq, &mut l.wk, &mut l.wv];
+            let n_in = qkv[0].n_in;
+            if qkv
+                .iter()
+                .any(|w| w.f16_bytes() == 0 || w.n_in != n_in || w.has_f16())
+            {
+                continue;
+            }
+            let rows: usize = qkv.iter().map(|w| w.n_out).sum();
+            let mut dq = dev.stream.alloc_zeros::<f16>(rows * n_in)?;
+            let mut at = 0;
+            for w in qkv {
+                let mut out = dq.slice_mut(at * n_in..(at + w.n_out) * n_in);
+                dequantize_rows_f16(dev, w, &mut out)?;
+                at += w.n_out;
+                bytes += w.f16_bytes();
+                w.in_qkv = true;
+            }
+            l.qkv16 = Some(dq);
+        }
         for w in self.gemm_matrices() {
-            if w.f16_bytes() == 0 || w.f16.is_some() {
+            if w.f16_bytes() == 0 || w.has_f16() {
                 continue;
             }
             let mut dq = dev.stream.alloc_zeros::<f16>(w.n_out * w.n_in)?;
-            // In chunks the size of the prompt path's scratch, as it dequantizes.
-            let (rb, chunk) = (w.row_bytes(), gemm_chunk_rows(GEMM_SCRATCH, w.n_in));
-            for r0 in (0..w.n_out).step_by(chunk) {
-                let m = chunk.min(w.n_out - r0);
-                let rows = w.w.slice(r0 * rb..(r0 + m) * rb);
-                let mut out = dq.slice_mut(r0 * w.n_in..(r0 + m) * w.n_in);
-                ops::dequantize_f16(dev, &rows, w.ty, &mut out, m, w.n_in)?;
-            }
+            dequantize_rows_f16(dev, w, &mut dq.slice_mut(..))?;
             bytes += w.f16_bytes();
             w.f16 = Some(dq);
         }
         self.f16_bytes += bytes;
         Ok(())
     }
+}
+
+/// `w` dequantized to f16 into `out` (its n_out x n_in values), in chunks the size of the
+/// prompt path's scratch, as that path dequantizes.
+fn dequantize_rows_f16(
+    dev: &CudaDevice,
+    w: &GpuLinear,
+    out: &mut cudarc::driver::CudaViewMut<f16>,
+) -> Result<(), CudaError> {
+    let (rb, chunk) = (w.row_bytes(), gemm_chunk_rows(GEMM_SCRATCH, w.n_in));
+    for r0 in (0..w.n_out).step_by(chunk) {
+        let m = chunk.min(w.n_out - r0);
+        let rows = w.w.slice(r0 * rb..(r0 + m) * rb);
+        let mut part = out.slice_mut(r0 * w.n_in..(r0 + m) * w.n_in);
+        ops::dequantize_f16(dev, &rows, w.ty, &mut part, m, w.n_in)?;
+    }
+    Ok(())
 }
