@@ -77,15 +77,6 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t* q, int& s, in
     }
 }
 
-// scale_min_k4 on the 12 scale bytes held as three words (a byte array in registers
-// would go to local memory).
-__device__ __forceinline__ void scale_min_k4_words(int j, uint32_t y, uint32_t z, uint32_t w, int& s, int& m) {
-    const int b = 8 * (j % 4);
-    const int qy = (y >> b) & 0xff, qz = (z >> b) & 0xff, qw = (w >> b) & 0xff;
-    s = j < 4 ? qy & 63 : (qw & 0x0f) | ((qy >> 6) << 4);
-    m = j < 4 ? qz & 63 : (qw >> 4) | ((qz >> 6) << 4);
-}
-
 // Q3_K: the i-th of sixteen 6-bit scales, offset by 32.
 __device__ __forceinline__ int q3_k_scale(int i, const uint8_t* p) {
     const int low = i < 8 ? p[i] & 0x0f : p[i - 8] >> 4;

@@ -190,6 +190,15 @@ __device__ __forceinline__ void mmvq_float(int blk_id, const uint8_t* __restrict
 // which is what held the one-warp-per-row kernels to 1.5 TB/s on 4096 x 4096. Rows per block
 // (R) as measured on the H200 (docs/cuda.md): 8 for Q4_K and Q6_K, 2 for Q8_0.
 
+// scale_min_k4 on the 12 scale bytes held as three words (a byte array in registers
+// would go to local memory).
+__device__ __forceinline__ void scale_min_k4_words(int j, uint32_t y, uint32_t z, uint32_t w, int& s, int& m) {
+    const int b = 8 * (j % 4);
+    const int qy = (y >> b) & 0xff, qz = (z >> b) & 0xff, qw = (w >> b) & 0xff;
+    s = j < 4 ? qy & 63 : (qw & 0x0f) | ((qy >> 6) << 4);
+    m = j < 4 ? qz & 63 : (qw >> 4) | ((qz >> 6) << 4);
+}
+
 // Q4_K unit j (0..7) of a block: the 16 bytes of nibbles at 16j, whose low nibbles are
 // weights 16f..16f+15 of sub-block 2c and high nibbles the same of sub-block 2c + 1
 // (c = j / 2, f = j % 2). The mins go to the f = 0 unit of each pair, which adds them for

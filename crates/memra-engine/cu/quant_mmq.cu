@@ -62,7 +62,7 @@ struct Acts {
 
 // An int32 sum as f32 by the exponent trick (|c| < 2^22, which every sum of 32 products of
 // int8 activations and 8-bit levels is): an integer add and a float add, where cvt.f32.s32
-// runs at a quarter of the FP32 rate and bound the kernel at 64 tokens.
+// runs at a quarter of the FP32 rate (measured: no faster, kept for fewer slow ops).
 __device__ __forceinline__ float i2f(int c) { return __int_as_float(c + 0x4B400000) - 12582912.0f; }
 
 // acc += sa * d * c - m * s for the thread's four C elements: rows g (sa, ma) and g + 8
@@ -309,14 +309,16 @@ __device__ __forceinline__ void stage_chunk(uint8_t* st, const uint8_t* __restri
     }
 }
 
-// The block: 4 x WN warps; warp w takes rows 16 (w % 4) .. of the tile and n-tiles
-// (w / 4) NT / WN .. of the tokens; STAGES chunks in flight.
-template <typename U, int NT, int WN, int STAGES>
+// The block: 4 warps, warp w taking rows 16w .. 16w + 15 of the tile and every token; two
+// chunks in flight (the shapes tried against it are in docs/cuda.md). matvec.rs's mmq_set
+// launches it with MMQ_THREADS threads and the two stages' shared memory for 16 tokens.
+#define MMQ_STAGES 2
+template <typename U, int NT>
 __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,
                                     const float* __restrict__ XS, int ncols, int ntok, float* __restrict__ part,
                                     unsigned* __restrict__ counters) {
     using S = Stage<U, NT>;
-    constexpr int THREADS = MMQ_THREADS * WN, NTW = NT / WN;
+    constexpr int THREADS = MMQ_THREADS, STAGES = MMQ_STAGES;
     extern __shared__ __align__(16) uint8_t smem[];
     const int b = blockIdx.x;
     const bool m2 = b >= set.first[2], m1 = !m2 && b >= set.first[1];
@@ -333,10 +335,9 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
     const int c0 = split * per, c1 = min(n_chunks, c0 + per);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, q = lane % 4;
-    const int wr = warp % 4, tn = (warp / 4) * NTW;  // row group, first n-tile
-    float acc[NTW][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int n = 0; n < NTW; ++n) {
+    for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
     }
@@ -357,21 +358,20 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
         cp_async_commit();
         cp_async_wait<STAGES - 1>();
         __syncthreads();
-        // The warp's tokens: its first n-tile's rows on.
-        const Acts x = {(const int8_t*)(st + S::W) + 8 * tn * XROW, (const float*)(st + S::W + S::Q) + 8 * tn * 8,
-                        (const float*)(st + S::W + S::Q + S::F) + 8 * tn * 8};
-        const uint8_t* ra = st + (16 * wr + g) * U::SROW;
-        chunk_of<U, NTW>(acc, ra, ra + 8 * U::SROW, x, g, q, kb);
+        const Acts x = {(const int8_t*)(st + S::W), (const float*)(st + S::W + S::Q),
+                        (const float*)(st + S::W + S::Q + S::F)};
+        const uint8_t* ra = st + (16 * warp + g) * U::SROW;
+        chunk_of<U, NT>(acc, ra, ra + 8 * U::SROW, x, g, q, kb);
         // Every warp is done with this stage before the next iteration's copies overwrite it.
         __syncthreads();
     }
-    const int row_a = r0 + 16 * wr + g;
+    const int row_a = r0 + 16 * warp + g;
     if (ksplit == 1) {
 #pragma unroll
-        for (int n = 0; n < NTW; ++n) {
+        for (int n = 0; n < NT; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int row = row_a + 8 * (i / 2), t = 8 * (tn + n) + 2 * q + i % 2;
+                const int row = row_a + 8 * (i / 2), t = 8 * n + 2 * q + i % 2;
                 if (row < nrows && t < ntok) Y[(size_t)t * nrows + row] = acc[n][i];
             }
         }
@@ -381,10 +381,10 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
     // adds every part's in order.
     float* mine = part + part_at;
 #pragma unroll
-    for (int n = 0; n < NTW; ++n) {
+    for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int row = row_a + 8 * (i / 2), t = 8 * (tn + n) + 2 * q + i % 2;
+            const int row = row_a + 8 * (i / 2), t = 8 * n + 2 * q + i % 2;
             if (row < nrows && t < ntok) mine[((size_t)split * ntok + t) * nrows + row] = acc[n][i];
         }
     }
@@ -396,10 +396,10 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
     if (!last) return;
     __threadfence();
 #pragma unroll
-    for (int n = 0; n < NTW; ++n) {
+    for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int row = row_a + 8 * (i / 2), t = 8 * (tn + n) + 2 * q + i % 2;
+            const int row = row_a + 8 * (i / 2), t = 8 * n + 2 * q + i % 2;
             if (row < nrows && t < ntok) {
                 float v = 0.0f;
                 for (int s = 0; s < ksplit; ++s) v += __ldcg(mine + ((size_t)s * ntok + t) * nrows + row);
@@ -410,18 +410,17 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
     if (threadIdx.x == 0) counters[b] = 0;
 }
 
-// A kernel: format U, up to 8 NT tokens, 4 WN warps, STAGES chunks in flight (matvec.rs's
-// `MMQ_CONFIGS` launches them with the matching threads and shared memory).
-#define MMQ(name, U, NT, WN, STAGES)                                                                                \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS * WN)                                                  \
+// A kernel: format U, up to 8 NT tokens.
+#define MMQ(name, U, NT)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                                       \
         name(MmqSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD, const float* __restrict__ XS,  \
              int ncols, int ntok, float* __restrict__ part, unsigned* __restrict__ counters) {                      \
         PDL_WAIT();                                                                                                 \
-        mmq<U, NT, WN, STAGES>(set, XQ, XD, XS, ncols, ntok, part, counters);                                       \
+        mmq<U, NT>(set, XQ, XD, XS, ncols, ntok, part, counters);                                                   \
     }
 
 // Up to 16 tokens (docs/cuda.md: the shapes for 32 and 64 that were tried lost to the GEMM
 // path on f16 copies).
-MMQ(mmq_q4_k_16, MmqQ4K, 2, 1, 2)
-MMQ(mmq_q6_k_r_16, MmqQ6KR, 2, 1, 2)
-MMQ(mmq_q8_0_r_16, MmqQ80R, 2, 1, 2)
+MMQ(mmq_q4_k_16, MmqQ4K, 2)
+MMQ(mmq_q6_k_r_16, MmqQ6KR, 2)
+MMQ(mmq_q8_0_r_16, MmqQ80R, 2)

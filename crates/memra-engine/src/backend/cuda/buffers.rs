@@ -23,7 +23,7 @@ pub const MAX_DECODE_ROWS: usize = MAX_MMQ_TOKENS;
 pub const MAX_MATVEC_ROWS: usize = MAX_TOKENS;
 /// Partial results (sequences x splits) a decode step's attention keeps: the longest
 /// context's splits for up to MAX_MATVEC_ROWS sequences, fewer splits each for more
-/// (`decode_step_splits`), so that 64 rows do not need 64 x 128 splits of partials.
+/// (`GpuDecoder::decode`), so that 16 rows do not need 16 x 128 splits of partials.
 pub const DECODE_PARTS: usize = MAX_SPLITS * MAX_MATVEC_ROWS;
 /// Partial results (sequences x splits) the decode attention of a prompt batch's decodes
 /// keeps: 8 splits of each of MAX_BATCH decodes, more splits when fewer sequences.

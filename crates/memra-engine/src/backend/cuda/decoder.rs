@@ -58,10 +58,16 @@ pub const GEMM_DECODE_ROWS: usize = 3 * MAX_MATVEC_ROWS + 1;
 /// 7.4 ms for a group of 8 through the mat-vec kernels.
 pub const GEMM_DECODE_ROWS_F16: usize = MAX_MATVEC_ROWS + 1;
 
-/// As [`GEMM_DECODE_ROWS`] when every matrix has tensor-core kernels: a step of up to
-/// MAX_DECODE_ROWS decodes reads the quantized weights once (docs/cuda.md has the
-/// measurements of both sides).
+/// As [`GEMM_DECODE_ROWS_F16`] when every matrix has tensor-core kernels: a step of up to
+/// MAX_DECODE_ROWS decodes reads the quantized weights once, about 6.2 ms for 12 to 16
+/// rows of an 8B on the H200 against the GEMM path's 8.4 ms (docs/cuda.md), and a second
+/// group would cost more than the GEMM path.
 pub const GEMM_DECODE_ROWS_MMQ: usize = MAX_DECODE_ROWS + 1;
+
+/// As [`GEMM_DECODE_ROWS`] (no f16 copies) when every matrix has tensor-core kernels: from
+/// the seventh group of MAX_DECODE_ROWS on, by the measured costs (a group about 6.2 ms,
+/// the GEMM path dequantizing every matrix about 19 ms plus 0.19 ms a sequence).
+pub const GEMM_DECODE_ROWS_MMQ_DEQUANT: usize = 6 * MAX_DECODE_ROWS + 1;
 
 /// Whether the decoder keeps f16 copies of the matrices the GEMMs multiply (prompts and
 /// steps of many decodes), besides the quantized ones the mat-vec kernels read.
@@ -113,10 +119,10 @@ pub struct GpuDecoder {
     graph: Option<DecodeGraph>,
     /// Replay a captured graph per token (off: launch every kernel; `MEMRA_CUDA_GRAPH=0`).
     use_graph: bool,
-    /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS_MMQ with
-    /// tensor-core kernels for every matrix, else GEMM_DECODE_ROWS_F16 with f16 copies,
-    /// GEMM_DECODE_ROWS without; `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure both
-    /// sides).
+    /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS_MMQ or
+    /// GEMM_DECODE_ROWS_MMQ_DEQUANT with tensor-core kernels for every matrix, else
+    /// GEMM_DECODE_ROWS_F16 with f16 copies, GEMM_DECODE_ROWS without;
+    /// `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure both sides).
     gemm_decode_rows: usize,
     /// Sequences one decode step takes: MAX_DECODE_ROWS where every matrix has tensor-core
     /// kernels, else MAX_MATVEC_ROWS (`MEMRA_DECODE_MMQ=0` forces the latter, to measure).
@@ -270,7 +276,8 @@ impl GpuDecoder {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(match (mmq, keep_f16) {
-                (true, _) => GEMM_DECODE_ROWS_MMQ,
+                (true, true) => GEMM_DECODE_ROWS_MMQ,
+                (true, false) => GEMM_DECODE_ROWS_MMQ_DEQUANT,
                 (false, true) => GEMM_DECODE_ROWS_F16,
                 (false, false) => GEMM_DECODE_ROWS,
             });
@@ -457,14 +464,15 @@ impl GpuDecoder {
             rows.clear();
         } else {
             // A speculative verify step (the last token and its drafts) while few rows
-            // decode: each token a row of the mat-vec kernels at its own position, over the
-            // sequence's blocks, so it rounds as plain decoding does. The rows of a launch
+            // decode: each token a row of the dp4a mat-vec kernels at its own position, over
+            // the sequence's blocks, so it rounds as plain decoding does (the tensor-core
+            // kernels of 9 to 16 rows round otherwise, so the rows stay within 8). The rows of a launch
             // append their keys and values before any attends, and a later group runs after
             // an earlier one, so each token sees the ones before it, as in a prompt batch.
             prompts.retain(|&s| {
                 let r = batch.seq_tokens(s);
                 let short = batch.is_verify(s)
-                    && r.len() <= MAX_MATVEC_ROWS
+                    && rows.len() + r.len() <= MAX_MATVEC_ROWS
                     && rows.len() + r.len() < self.gemm_decode_rows;
                 if short {
                     rows.extend(r.map(|t| (s, t)));
@@ -721,10 +729,14 @@ impl GpuDecoder {
                 )
             }
         };
+        let had = list.len();
         ops_mask_rows(dev, x, nv, list, &masked, &masks)?;
+        // The list grows for a prompt batch of many constrained rows.
+        let grown = 4 * list.len().saturating_sub(had);
         argmax_rows(dev, x, n_rows, nv, out)?;
         let ids = dev.stream.clone_dtoh(&out.slice(..n_rows))?;
         *best = ids.into_iter().map(|b| b as u32).collect();
+        self.buffer_bytes += grown;
         for &(row, r) in rows {
             if masked.contains(&row) {
                 picks[r] = RowPick::Greedy;
@@ -740,9 +752,8 @@ impl GpuDecoder {
     }
 
     /// A decode step of up to `decode_rows` sequences of one token: by the captured graph
-    /// (one sequence), or eagerly. One row's logits come back as `Logits::Device` (its
-    /// argmax done unless the step ran eagerly before the capture), several as
-    /// `Logits::Rows` with every row's argmax.
+    /// (one sequence), or eagerly. One row's logits come back as `Logits::Device` with its
+    /// argmax done, several as `Logits::Rows` with every row's argmax.
     fn decode(&mut self, b: &ForwardBatch) -> Result<Logits, CudaError> {
         let rows = b.n_seqs();
         let longest = b.context_len.iter().copied().max().unwrap_or(1) as usize;
