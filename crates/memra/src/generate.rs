@@ -308,7 +308,7 @@ pub fn runner<'m>(
         bail!("this command runs one context without the engine: --tensor-parallel is not built for it (memra bench --batched takes it)");
     }
     if args.spec.spec_ngram.is_some() || args.spec.model_draft.is_some() {
-        bail!("this command runs one context without the engine: speculative decoding is not built for it (memra run, chat, serve and bench --batched take it)");
+        bail!("this command runs one context without the engine: speculative decoding is not built for it (memra run, chat, serve, bench --batched and bench --spec-prompts take it)");
     }
     Ok(match args.device() {
         Device::Cpu => Box::new(CpuRunner::new(&model.decoder, n_ctx, PROMPT_BATCH)),
@@ -484,7 +484,7 @@ fn load_draft(
 
 /// Generates through the engine, giving each piece of text to `on_text` as it comes;
 /// returns the statistics and the request's usage (prefix-cache hits, drafts).
-fn engine_generate(
+pub(crate) fn engine_generate(
     engine: &Engine,
     prompt: Vec<u32>,
     config: &GenerateConfig,

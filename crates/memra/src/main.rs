@@ -3,6 +3,7 @@
 mod bench;
 mod bench_batched;
 mod bench_serve;
+mod bench_spec;
 mod generate;
 mod inspect;
 mod probe;
@@ -138,6 +139,11 @@ enum Command {
         /// --batched: the fraction of each row's sequences --json-schema constrains.
         #[arg(long, default_value_t = 0.5, requires = "json_schema")]
         constrained_frac: f64,
+        /// Speculative decoding's speedup: each prompt of FILE (JSON lines: a string, or an
+        /// object with "prompt") generated greedily (-n tokens) without and with the drafts
+        /// of --spec-ngram / --model-draft; the outputs must be the same.
+        #[arg(long, value_name = "FILE", conflicts_with = "batched")]
+        spec_prompts: Option<PathBuf>,
     },
     /// Load on a running OpenAI-compatible server (`memra serve`, vLLM, llama-server),
     /// reported as vLLM's serving benchmark reports it (throughput, TTFT, TPOT, ITL). Spelled
@@ -303,6 +309,18 @@ fn main() -> ExitCode {
                 },
             )
         }),
+        Command::Bench {
+            model,
+            generate,
+            output,
+            spec_prompts: Some(file),
+            ..
+        } => bench_spec::run(
+            &model,
+            &file,
+            generate.first().copied().unwrap_or(128),
+            output,
+        ),
         Command::Bench {
             model,
             prompt,

@@ -838,3 +838,137 @@ fn tensor_and_pipeline_parallel_refuse_what_they_cannot_do() {
     refused(q, "cuda", &["-tp", "2"], gpus);
     refused(q, "cuda", &["--pipeline-parallel", "2"], gpus);
 }
+
+/// `bench --spec-prompts FILE` on the tiny llama with prompt lookup: every prompt's
+/// speculative output equals its plain one, the drafts' counts add up, the JSON report
+/// holds a row a prompt; without drafting, or with a bad prompts file, exit 1 naming why.
+#[test]
+fn bench_spec_prompts_compares_speculation_with_plain_decoding() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-spec-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = tiny_model("tiny-llama.gguf");
+    let m = model.to_str().unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "\"def add(a, b):\\n    return a + b\\n\\ndef add(a, b):\\n\"\n\n{\"prompt\": \"one two three one two\"}\n",
+    )
+    .unwrap();
+    let p = prompts.to_str().unwrap();
+    let out = memra(&[
+        "bench",
+        "-m",
+        m,
+        "--spec-prompts",
+        p,
+        "--spec-ngram",
+        "2",
+        "-n",
+        "12",
+        "--device",
+        "cpu",
+        "-o",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let rows = v["prompts"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    let (mut drafted, mut accepted) = (0, 0);
+    for r in rows {
+        assert_eq!(r["same"], Value::Bool(true), "{r}");
+        assert_eq!(r["generated"].as_u64(), Some(12), "{r}");
+        let (d, a) = (
+            r["draft_tokens"].as_u64().unwrap(),
+            r["accepted_tokens"].as_u64().unwrap(),
+        );
+        assert!(a <= d, "{r}");
+        drafted += d;
+        accepted += a;
+    }
+    assert!(drafted > 0, "prompt lookup drafted nothing: {v}");
+    let rate = v["acceptance"].as_f64().unwrap();
+    assert!((rate - accepted as f64 / drafted as f64).abs() < 1e-9);
+    assert!(v["speedup"].as_f64().unwrap() > 0.0);
+    // The markdown table: a row a prompt and the total.
+    let md = memra(&[
+        "bench",
+        "-m",
+        m,
+        "--spec-prompts",
+        p,
+        "--spec-ngram",
+        "2",
+        "-n",
+        "6",
+        "--device",
+        "cpu",
+    ]);
+    assert!(md.status.success());
+    let table = stdout(&md);
+    assert_eq!(
+        table.lines().filter(|l| l.starts_with("| ")).count(),
+        5,
+        "{table}"
+    );
+    // Bad uses.
+    let bad = dir.join("bad.jsonl");
+    for (content, extra, want) in [
+        (
+            "\"a prompt\"\n",
+            None,
+            "give --spec-ngram N or --model-draft FILE",
+        ),
+        (
+            "[1, 2]\n",
+            Some("--spec-ngram"),
+            "bad.jsonl:1: neither a string nor an object",
+        ),
+        (
+            "{\"text\": \"x\"}\n",
+            Some("--spec-ngram"),
+            "without a \"prompt\" string",
+        ),
+        ("\n\n", Some("--spec-ngram"), "holds no prompts"),
+        (
+            "not json\n",
+            Some("--spec-ngram"),
+            "bad.jsonl:1: not a JSON line",
+        ),
+    ] {
+        std::fs::write(&bad, content).unwrap();
+        let mut args = vec![
+            "bench",
+            "-m",
+            m,
+            "--spec-prompts",
+            bad.to_str().unwrap(),
+            "-n",
+            "4",
+        ];
+        args.extend(["--device", "cpu"]);
+        if let Some(flag) = extra {
+            args.extend([flag, "2"]);
+        }
+        let out = memra(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{content:?}: {err}");
+        assert!(err.contains(want), "{content:?}: {err}");
+    }
+    let both = memra(&[
+        "bench",
+        "-m",
+        m,
+        "--spec-prompts",
+        p,
+        "--batched",
+        "--spec-ngram",
+        "2",
+    ]);
+    assert!(!both.status.success());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
