@@ -8,9 +8,9 @@
 //! (`models/forward.rs`) over their own operations:
 //! - one token (decode, `decode.rs`): int8 activations and the `mmvq` kernels (dp4a up to 8
 //!   sequences, the int8 tensor cores up to [`MAX_DECODE_ROWS`]), split-K paged attention;
-//!   for one sequence the
-//!   whole step is a CUDA graph captured once and replayed (`graph.rs`), so only the batch
-//!   arrays go in and one id (or the logits, when the host samples) comes out;
+//!   for one sequence the whole step is a CUDA graph captured once and replayed
+//!   (`graph.rs`), so only the batch arrays go in and one id (or the logits, when the host
+//!   samples) comes out;
 //! - several tokens (prompt chunks, perplexity; `prompt.rs`): batches of up to
 //!   [`MAX_BATCH`] tokens through f16 GEMMs on dequantized weights and paged flash
 //!   attention.
@@ -466,9 +466,10 @@ impl GpuDecoder {
             // A speculative verify step (the last token and its drafts) while few rows
             // decode: each token a row of the dp4a mat-vec kernels at its own position, over
             // the sequence's blocks, so it rounds as plain decoding does (the tensor-core
-            // kernels of 9 to 16 rows round otherwise, so the rows stay within 8). The rows of a launch
-            // append their keys and values before any attends, and a later group runs after
-            // an earlier one, so each token sees the ones before it, as in a prompt batch.
+            // kernels of 9 to 16 rows round otherwise, so the rows stay within 8). The rows
+            // of a launch append their keys and values before any attends, and a later group
+            // runs after an earlier one, so each token sees the ones before it, as in a
+            // prompt batch.
             prompts.retain(|&s| {
                 let r = batch.seq_tokens(s);
                 let short = batch.is_verify(s)
