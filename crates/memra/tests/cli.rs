@@ -855,21 +855,13 @@ fn bench_spec_prompts_compares_speculation_with_plain_decoding() {
     )
     .unwrap();
     let p = prompts.to_str().unwrap();
-    let out = memra(&[
-        "bench",
-        "-m",
-        m,
-        "--spec-prompts",
-        p,
-        "--spec-ngram",
-        "2",
-        "-n",
-        "12",
-        "--device",
-        "cpu",
-        "-o",
-        "json",
-    ]);
+    let bench = |file: &str, n: &str, extra: &[&str]| {
+        let mut args = vec!["bench", "-m", m, "--spec-prompts", file, "-n", n];
+        args.extend(["--device", "cpu"]);
+        args.extend_from_slice(extra);
+        memra(&args)
+    };
+    let out = bench(p, "12", &["--spec-ngram", "2", "-o", "json"]);
     assert!(
         out.status.success(),
         "{}",
@@ -895,19 +887,7 @@ fn bench_spec_prompts_compares_speculation_with_plain_decoding() {
     assert!((rate - accepted as f64 / drafted as f64).abs() < 1e-9);
     assert!(v["speedup"].as_f64().unwrap() > 0.0);
     // The markdown table: a row a prompt and the total.
-    let md = memra(&[
-        "bench",
-        "-m",
-        m,
-        "--spec-prompts",
-        p,
-        "--spec-ngram",
-        "2",
-        "-n",
-        "6",
-        "--device",
-        "cpu",
-    ]);
+    let md = bench(p, "6", &["--spec-ngram", "2"]);
     assert!(md.status.success());
     let table = stdout(&md);
     assert_eq!(
@@ -941,20 +921,11 @@ fn bench_spec_prompts_compares_speculation_with_plain_decoding() {
         ),
     ] {
         std::fs::write(&bad, content).unwrap();
-        let mut args = vec![
-            "bench",
-            "-m",
-            m,
-            "--spec-prompts",
-            bad.to_str().unwrap(),
-            "-n",
-            "4",
-        ];
-        args.extend(["--device", "cpu"]);
-        if let Some(flag) = extra {
-            args.extend([flag, "2"]);
-        }
-        let out = memra(&args);
+        let flags: &[&str] = match extra {
+            Some(flag) => &[flag, "2"],
+            None => &[],
+        };
+        let out = bench(bad.to_str().unwrap(), "4", flags);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{content:?}: {err}");
         assert!(err.contains(want), "{content:?}: {err}");
