@@ -101,9 +101,24 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     }
     PDL_WAIT();
 
+    // The group's queries (contiguous) into shared memory, a thread's loads all in flight
+    // together: a loop waiting on each load in turn had cost the kernel 7-16 L2 round trips,
+    // most of its time at short contexts.
     __shared__ float qs[MAX_GROUP][D];
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        qs[i / D][i % D] = q[(size_t)(kvh * group + i / D) * D + i % D] * scale;
+    {
+        constexpr int QN = MAX_GROUP * D / (DECODE_WARPS * WARP_SIZE);
+        const float* qg = q + (size_t)kvh * group * D;
+        float qv[QN];
+#pragma unroll
+        for (int j = 0; j < QN; ++j) {
+            const int i = threadIdx.x + j * DECODE_WARPS * WARP_SIZE;
+            qv[j] = i < group * D ? qg[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < QN; ++j) {
+            const int i = threadIdx.x + j * DECODE_WARPS * WARP_SIZE;
+            if (i < group * D) qs[i / D][i % D] = qv[j] * scale;
+        }
     }
     __syncthreads();
 

@@ -30,12 +30,15 @@ extern "C" __global__ void quantize_act_q8(const float* __restrict__ x, int8_t* 
     quantize_warp_block(i < n ? x[i] : 0.0f, i, i < n, q, d, s);
 }
 
-__device__ __forceinline__ void warp_store(float (&acc)[MAX_TOKENS], int ntok, float* Y, int nrows, int row) {
+// Each token's sum over the warp, plus the row's bias (B may be null), into Y.
+__device__ __forceinline__ void warp_store(float (&acc)[MAX_TOKENS], int ntok, float* Y, const float* B, int nrows,
+                                           int row) {
+    const float b = B ? B[row] : 0.0f;
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; ++t) {
         if (t < ntok) {
             const float v = warp_sum(acc[t]);
-            if (threadIdx.x % WARP_SIZE == 0) Y[(size_t)t * nrows + row] = v;
+            if (threadIdx.x % WARP_SIZE == 0) Y[(size_t)t * nrows + row] = v + b;
         }
     }
 }
@@ -61,8 +64,8 @@ template <> struct MinKind<T_Q2_K> { static constexpr int v = 2; };
 template <int T>
 __device__ __forceinline__ void mmvq_generic(int blk_id, const uint8_t* __restrict__ W,
                                              const int8_t* __restrict__ XQ, const float* __restrict__ XD,
-                                             const float* __restrict__ XS, float* __restrict__ Y, int ncols,
-                                             int nrows, int ntok) {
+                                             const float* __restrict__ XS, float* __restrict__ Y,
+                                             const float* __restrict__ B, int ncols, int nrows, int ntok) {
     const int row = blk_id * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= nrows) return;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -99,7 +102,7 @@ __device__ __forceinline__ void mmvq_generic(int blk_id, const uint8_t* __restri
             acc[t] += r;
         }
     }
-    warp_store(acc, ntok, Y, nrows, row);
+    warp_store(acc, ntok, Y, B, nrows, row);
 }
 
 // Q6_K: 210-byte blocks of 256 (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
@@ -108,7 +111,8 @@ __device__ __forceinline__ void mmvq_generic(int blk_id, const uint8_t* __restri
 // of high bits they need: 32 bytes per 32 weights. (One lane per sub-block read 64.)
 __device__ __forceinline__ void mmvq_q6_k(int blk_id, const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
                                           const float* __restrict__ XD, const float* __restrict__ XS,
-                                          float* __restrict__ Y, int ncols, int nrows, int ntok) {
+                                          float* __restrict__ Y, const float* __restrict__ B, int ncols, int nrows,
+                                          int ntok) {
     const int row = blk_id * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= nrows) return;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -150,15 +154,15 @@ __device__ __forceinline__ void mmvq_q6_k(int blk_id, const uint8_t* __restrict_
             acc[t] += s_lo * XD[ab + x_lo / 32] * d_lo + s_hi * XD[ab + x_hi / 32] * d_hi;
         }
     }
-    warp_store(acc, ntok, Y, nrows, row);
+    warp_store(acc, ntok, Y, B, nrows, row);
 }
 
 // Float weights (F32, F16, BF16) against the same int8 activations, in f32.
 template <int T>
 __device__ __forceinline__ void mmvq_float(int blk_id, const uint8_t* __restrict__ W,
                                            const int8_t* __restrict__ XQ, const float* __restrict__ XD,
-                                           const float* __restrict__ XS, float* __restrict__ Y, int ncols,
-                                           int nrows, int ntok) {
+                                           const float* __restrict__ XS, float* __restrict__ Y,
+                                           const float* __restrict__ B, int ncols, int nrows, int ntok) {
     const int row = blk_id * ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= nrows) return;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -179,7 +183,7 @@ __device__ __forceinline__ void mmvq_float(int blk_id, const uint8_t* __restrict
             acc[t] += XD[(size_t)t * n_subs + s] * dot;
         }
     }
-    warp_store(acc, ntok, Y, nrows, row);
+    warp_store(acc, ntok, Y, B, nrows, row);
 }
 
 // Block-cooperative kernels for the formats that dominate decode (Q4_K, and the regrouped
@@ -239,18 +243,26 @@ struct CoopQ4K {
     }
 };
 
-// Regrouped Q6_K unit k (0..7) of a block, the lane layout of mmvq_q6_k: 16 bytes of low
-// bits (both nibbles: weights e and e + 64, e = 128h + 32c + 16f) and the 16 bytes of high
-// bits they need. Unit k's low bits are at 16k in the block's 128: a warp's loads are one
-// contiguous 512 bytes.
-struct CoopQ6KR {
+// Q6_K unit k (0..7) of a block, the lane layout of mmvq_q6_k: 16 bytes of low bits
+// (both nibbles: weights e and e + 64, e = 128h + 32c + 16f) and the 16 bytes of high bits
+// they need. Regrouped (T_Q6_K_R), unit k's low bits are at 16k in the block's 128: a
+// warp's loads are one contiguous 512 bytes, 16 at a time. The plain layout (expert rows
+// of 768, not whole groups) is read 2 bytes at a time.
+template <int T>
+struct CoopQ6K {
     int4 ql, qh;
     float s_lo, s_hi;
     __device__ __forceinline__ void load(const uint8_t* row, int u) {
         const int kb = u / 8, k = u % 8, h = k / 4, c = (k / 2) % 2, f = k % 2;
-        const Q6KFields fl = q6_k_fields<T_Q6_K_R>(row, kb);
-        ql = *(const int4*)(fl.ql + 16 * k);
-        qh = *(const int4*)(fl.qh + 32 * h + 16 * f);
+        const Q6KFields fl = q6_k_fields<T>(row, kb);
+        if (T == T_Q6_K_R) {
+            ql = *(const int4*)(fl.ql + 16 * k);
+            qh = *(const int4*)(fl.qh + 32 * h + 16 * f);
+        } else {
+            const uint8_t *l = fl.ql + 16 * k, *hb = fl.qh + 32 * h + 16 * f;
+            ql = make_int4(ld32(l), ld32(l + 4), ld32(l + 8), ld32(l + 12));
+            qh = make_int4(ld32(hb), ld32(hb + 4), ld32(hb + 8), ld32(hb + 12));
+        }
         const float d = ldh(fl.d);
         const int e = 128 * h + 32 * c + 16 * f;
         s_lo = d * fl.scales[e / 16];
@@ -303,10 +315,35 @@ struct CoopQ80R {
     }
 };
 
+// F32 (expert routers): a unit is 32 floats, eight 16-byte loads; the products as
+// mmvq_float computes them.
+struct CoopF32 {
+    float4 w[8];
+    __device__ __forceinline__ void load(const uint8_t* row, int u) {
+        const float4* p = (const float4*)(row + (size_t)u * 128);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = p[i];
+    }
+    __device__ __forceinline__ float dot(const int8_t* xq, const float* xd, const float*, int u) const {
+        int a[8];
+        load_act(xq, (size_t)u * 32, a);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            s += w[i].x * byte_of(a[i], 0);
+            s += w[i].y * byte_of(a[i], 1);
+            s += w[i].z * byte_of(a[i], 2);
+            s += w[i].w * byte_of(a[i], 3);
+        }
+        return xd[u] * s;
+    }
+};
+
 template <typename Unit, int T, int R, int NT>
 __device__ __forceinline__ void mmvq_coop(int blk_id, const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ,
                                           const float* __restrict__ XD, const float* __restrict__ XS,
-                                          float* __restrict__ Y, int ncols, int nrows, int ntok) {
+                                          float* __restrict__ Y, const float* __restrict__ B, int ncols, int nrows,
+                                          int ntok) {
     const size_t row_bytes = row_bytes_of(T, ncols);
     const int row0 = blk_id * R;
     const int n_units = ncols / 32;
@@ -350,7 +387,7 @@ __device__ __forceinline__ void mmvq_coop(int blk_id, const uint8_t* __restrict_
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < THREADS / WARP_SIZE; ++w) v += partial[w][i];
-        Y[(size_t)t * nrows + row0 + r] = v;
+        Y[(size_t)t * nrows + row0 + r] = B ? v + B[row0 + r] : v;
     }
 }
 
@@ -359,6 +396,7 @@ __device__ __forceinline__ void mmvq_coop(int blk_id, const uint8_t* __restrict_
 struct MatvecSet {
     const uint8_t* w[3];
     float* y[3];
+    const float* bias[3];  // added to each row's sum (Qwen2's q, k, v); may be null
     int nrows[3];
     int first[4];
 };
@@ -374,15 +412,16 @@ struct MatvecSet {
         const int first = m2 ? set.first[2] : m1 ? set.first[1] : 0;                                                \
         const uint8_t* w = m2 ? set.w[2] : m1 ? set.w[1] : set.w[0];                                                \
         float* y = m2 ? set.y[2] : m1 ? set.y[1] : set.y[0];                                                        \
+        const float* bias = m2 ? set.bias[2] : m1 ? set.bias[1] : set.bias[0];                                      \
         const int nrows = m2 ? set.nrows[2] : m1 ? set.nrows[1] : set.nrows[0];                                     \
-        FN(b - first, w, XQ, XD, XS, y, ncols, nrows, ntok);                                                        \
+        FN(b - first, w, XQ, XD, XS, y, bias, ncols, nrows, ntok);                                                        \
     }
 
 // Decode (one token) and batches of up to MAX_TOKENS; rows per block: the first number.
 MMVQ(mmvq_q4_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>))
 MMVQ(mmvq_q4_k_batch, (mmvq_coop<CoopQ4K, T_Q4_K, 2, MAX_TOKENS>))
-MMVQ(mmvq_q6_k_r, (mmvq_coop<CoopQ6KR, T_Q6_K_R, 8, 1>))
-MMVQ(mmvq_q6_k_r_batch, (mmvq_coop<CoopQ6KR, T_Q6_K_R, 2, MAX_TOKENS>))
+MMVQ(mmvq_q6_k_r, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
+MMVQ(mmvq_q6_k_r_batch, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 2, MAX_TOKENS>))
 MMVQ(mmvq_q8_0_r, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, 1>))
 MMVQ(mmvq_q8_0_r_batch, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, MAX_TOKENS>))
 // One warp per row.
@@ -398,6 +437,7 @@ MMVQ(mmvq_q3_k, mmvq_generic<T_Q3_K>)
 MMVQ(mmvq_q5_k, mmvq_generic<T_Q5_K>)
 MMVQ(mmvq_iq4_xs, mmvq_generic<T_IQ4_XS>)
 MMVQ(mmvq_f32, mmvq_float<T_F32>)
+MMVQ(mmvq_f32_coop, (mmvq_coop<CoopF32, T_F32, 2, 1>))
 MMVQ(mmvq_f16, mmvq_float<T_F16>)
 MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
 
@@ -414,11 +454,11 @@ MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
         const size_t slot = (size_t)t * n_used + k;                                                                 \
         const size_t x = per_slot ? slot : t;                                                                       \
         FN(blockIdx.x, W + ids[slot] * stride, XQ + x * ncols, XD + x * (ncols / 32),                               \
-           XS + x * (ncols / 32), Y + slot * nrows, ncols, nrows, 1);                                               \
+           XS + x * (ncols / 32), Y + slot * nrows, nullptr, ncols, nrows, 1);                                 \
     }
 
 MMVQ_MOE(mmvq_moe_q4_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>))
-MMVQ_MOE(mmvq_moe_q6_k_r, (mmvq_coop<CoopQ6KR, T_Q6_K_R, 8, 1>))
+MMVQ_MOE(mmvq_moe_q6_k_r, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
 MMVQ_MOE(mmvq_moe_q8_0_r, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, 1>))
 MMVQ_MOE(mmvq_moe_q6_k, mmvq_q6_k)
 MMVQ_MOE(mmvq_moe_q4_0, mmvq_generic<T_Q4_0>)
@@ -434,6 +474,130 @@ MMVQ_MOE(mmvq_moe_iq4_xs, mmvq_generic<T_IQ4_XS>)
 MMVQ_MOE(mmvq_moe_f32, mmvq_float<T_F32>)
 MMVQ_MOE(mmvq_moe_f16, mmvq_float<T_F16>)
 MMVQ_MOE(mmvq_moe_bf16, mmvq_float<T_BF16>)
+
+// Experts, fused, for the block-cooperative formats: the launches of a MoE FFN go from
+// five (gate, up, activation, down, weighted sum) to two, and a warp takes whole short
+// rows (768 or 2048 weights: the block-cooperative layout left 104 or 64 of a block's 128
+// threads idle on them).
+#define MOE_WARPS 8
+
+// Gate and up of the chosen experts, the gated activation, quantized per 32 as the down
+// products' input (slot (t, k)'s row of nrows in OQ, OD, OS): block (tile of 32 rows, slot
+// k, token t); warp w takes rows 4w..4w+3 of the tile in both matrices, its lanes the
+// rows' units of 32 weights. nrows is a multiple of 32 (the host checks).
+template <typename Unit, int T>
+__device__ __forceinline__ void moe_gate_up(const uint8_t* __restrict__ WG, const uint8_t* __restrict__ WU,
+                                            long long stride, const int* __restrict__ ids, int n_used,
+                                            const int8_t* __restrict__ XQ, const float* __restrict__ XD,
+                                            const float* __restrict__ XS, int8_t* __restrict__ OQ,
+                                            float* __restrict__ OD, float* __restrict__ OS, int ncols, int nrows,
+                                            int gelu) {
+    constexpr int R = 32 / MOE_WARPS;
+    const int k = blockIdx.y, t = blockIdx.z;
+    const size_t slot = (size_t)t * n_used + k;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int row0 = blockIdx.x * 32 + warp * R, n_units = ncols / 32;
+    const size_t row_bytes = row_bytes_of(T, ncols);
+    const size_t e = (size_t)ids[slot] * stride + row0 * row_bytes;
+    const int8_t* xq = XQ + (size_t)t * ncols;
+    const float *xd = XD + (size_t)t * n_units, *xs = XS + (size_t)t * n_units;
+    float ag[R], au[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) ag[r] = au[r] = 0.0f;
+    for (int u = lane; u < n_units; u += WARP_SIZE) {
+        Unit g[R], v[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            g[r].load(WG + e + r * row_bytes, u);
+            v[r].load(WU + e + r * row_bytes, u);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            ag[r] += g[r].dot(xq, xd, xs, u);
+            au[r] += v[r].dot(xq, xd, xs, u);
+        }
+    }
+    __shared__ float h[32];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float a = warp_sum(ag[r]), b = warp_sum(au[r]);
+        if (lane == 0) h[warp * R + r] = gate_act(a, gelu) * b;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        quantize_warp_block(h[lane], blockIdx.x * 32 + lane, true, OQ + slot * nrows, OD + slot * (nrows / 32),
+                            OS + slot * (nrows / 32));
+    }
+}
+
+// The chosen experts' down products and their weighted sum: Y[t] = sum over k of
+// weights[t][k] * W_{ids[t][k]} . x[t][k]. Block (tile of R rows, token t); warp w takes
+// slots w, w + MOE_WARPS, ..., its lanes the units; the warps' sums meet in shared memory
+// in warp order, so a token's result depends on nothing else in the batch.
+template <typename Unit, int T, int R>
+__device__ __forceinline__ void moe_down(const uint8_t* __restrict__ W, long long stride,
+                                         const int* __restrict__ ids, const float* __restrict__ weights, int n_used,
+                                         const int8_t* __restrict__ XQ, const float* __restrict__ XD,
+                                         const float* __restrict__ XS, float* __restrict__ Y, int ncols,
+                                         int nrows) {
+    const int t = blockIdx.y;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int row0 = blockIdx.x * R, n_units = ncols / 32;
+    const size_t row_bytes = row_bytes_of(T, ncols);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    for (int k = warp; k < n_used; k += MOE_WARPS) {
+        const size_t slot = (size_t)t * n_used + k;
+        const uint8_t* w = W + (size_t)ids[slot] * stride;
+        const float wt = weights[slot];
+        const int8_t* xq = XQ + slot * ncols;
+        const float *xd = XD + slot * n_units, *xs = XS + slot * n_units;
+        for (int u = lane; u < n_units; u += WARP_SIZE) {
+            Unit v[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) v[r].load(w + (size_t)min(row0 + r, nrows - 1) * row_bytes, u);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] += wt * v[r].dot(xq, xd, xs, u);
+        }
+    }
+    __shared__ float part[MOE_WARPS][R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) part[warp][r] = v;
+    }
+    __syncthreads();
+    const int r = threadIdx.x;
+    if (r < R && row0 + r < nrows) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MOE_WARPS; ++w) v += part[w][r];
+        Y[(size_t)t * nrows + row0 + r] = v;
+    }
+}
+
+#define MOE_FUSED(sfx, UNIT, T, R)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * WARP_SIZE) moe_gate_up_##sfx(                         \
+        const uint8_t* __restrict__ WG, const uint8_t* __restrict__ WU, long long stride,                          \
+        const int* __restrict__ ids, int n_used, const int8_t* __restrict__ XQ, const float* __restrict__ XD,      \
+        const float* __restrict__ XS, int8_t* __restrict__ OQ, float* __restrict__ OD, float* __restrict__ OS,     \
+        int ncols, int nrows, int gelu) {                                                                          \
+        PDL_WAIT();                                                                                                 \
+        moe_gate_up<UNIT, T>(WG, WU, stride, ids, n_used, XQ, XD, XS, OQ, OD, OS, ncols, nrows, gelu);             \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * WARP_SIZE) moe_down_##sfx(                            \
+        const uint8_t* __restrict__ W, long long stride, const int* __restrict__ ids,                              \
+        const float* __restrict__ weights, int n_used, const int8_t* __restrict__ XQ,                              \
+        const float* __restrict__ XD, const float* __restrict__ XS, float* __restrict__ Y, int ncols, int nrows) { \
+        PDL_WAIT();                                                                                                 \
+        moe_down<UNIT, T, R>(W, stride, ids, weights, n_used, XQ, XD, XS, Y, ncols, nrows);                        \
+    }
+
+MOE_FUSED(q4_k, CoopQ4K, T_Q4_K, 8)
+MOE_FUSED(q6_k_r, CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8)
+MOE_FUSED(q6_k, CoopQ6K<T_Q6_K>, T_Q6_K, 8)
+MOE_FUSED(q8_0_r, CoopQ80R, T_Q8_0_R, 4)
 
 // The residual step and the next matvec's input in one launch: x_out = x + o (o may be
 // null), then the RMS norm of x_out times w, quantized to int8 per 32 as quantize_act_q8

@@ -264,6 +264,7 @@ __device__ __forceinline__ void chunk_of(float (&acc)[NT][4], const uint8_t* ra,
 struct MmqSet {
     const uint8_t* w[3];
     float* y[3];
+    const float* bias[3];  // added to each row's sum; may be null
     int nrows[3];
     int first[4];
     long long part[3];
@@ -324,6 +325,7 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
     const bool m2 = b >= set.first[2], m1 = !m2 && b >= set.first[1];
     const uint8_t* W = m2 ? set.w[2] : m1 ? set.w[1] : set.w[0];
     float* Y = m2 ? set.y[2] : m1 ? set.y[1] : set.y[0];
+    const float* B = m2 ? set.bias[2] : m1 ? set.bias[1] : set.bias[0];
     const int nrows = m2 ? set.nrows[2] : m1 ? set.nrows[1] : set.nrows[0];
     const int first = m2 ? set.first[2] : m1 ? set.first[1] : set.first[0];
     const long long part_at = m2 ? set.part[2] : m1 ? set.part[1] : set.part[0];
@@ -372,7 +374,7 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = row_a + 8 * (i / 2), t = 8 * n + 2 * q + i % 2;
-                if (row < nrows && t < ntok) Y[(size_t)t * nrows + row] = acc[n][i];
+                if (row < nrows && t < ntok) Y[(size_t)t * nrows + row] = acc[n][i] + (B ? B[row] : 0.0f);
             }
         }
         return;
@@ -403,7 +405,7 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
             if (row < nrows && t < ntok) {
                 float v = 0.0f;
                 for (int s = 0; s < ksplit; ++s) v += __ldcg(mine + ((size_t)s * ntok + t) * nrows + row);
-                Y[(size_t)t * nrows + row] = v;
+                Y[(size_t)t * nrows + row] = v + (B ? B[row] : 0.0f);
             }
         }
     }

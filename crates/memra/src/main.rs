@@ -174,7 +174,7 @@ enum Command {
     },
     /// Write a random-weight model of a benchmark shape (for speed measurements).
     Synth {
-        /// Shape: llama3-8b, llama3-1b, qwen2.5-7b, llama3-70b, qwen3-30b-a3b.
+        /// Shape: llama3-8b, llama3-1b, qwen2.5-7b, qwen2.5-0.5b, llama3-70b, qwen3-30b-a3b.
         #[arg(long)]
         shape: String,
         /// Quant mix: q4_k_m, q8_0, q4_0.

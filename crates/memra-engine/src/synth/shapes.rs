@@ -49,7 +49,7 @@ const LLAMA3: Shape = Shape {
 };
 
 /// Every shape `memra synth` knows.
-pub const SHAPES: [Shape; 5] = [
+pub const SHAPES: [Shape; 6] = [
     Shape {
         name: "llama3-8b",
         n_embd: 4096,
@@ -78,6 +78,24 @@ pub const SHAPES: [Shape; 5] = [
         n_head_kv: 4,
         n_ff: 18944,
         vocab: 152_064,
+        context: 32768,
+        qkv_bias: true,
+        pre: "qwen2",
+        ..LLAMA3
+    },
+    // Qwen2.5(-Coder) 0.5B: rows of 896 are not whole K-quant blocks, so its Q4_K_M file
+    // is mostly Q5_0 and Q8_0 (the fallback rule in `tensors`); the small-model decode row.
+    Shape {
+        name: "qwen2.5-0.5b",
+        arch: "qwen2",
+        n_embd: 896,
+        n_layer: 24,
+        n_head: 14,
+        n_head_kv: 2,
+        n_ff: 4864,
+        head_dim: 64,
+        rope_base: 1_000_000.0,
+        rms_eps: 1e-6,
         context: 32768,
         qkv_bias: true,
         pre: "qwen2",
@@ -177,6 +195,16 @@ impl QuantMix {
     }
 }
 
+/// llama.cpp's fallback where rows are not whole blocks of 256 (`llama_tensor_get_type`):
+/// Q4_K becomes Q5_0 and Q6_K becomes Q8_0.
+fn fallback(ty: GgmlType, ncols: u64) -> GgmlType {
+    match ty {
+        GgmlType::Q4K if ncols % 256 != 0 => GgmlType::Q5_0,
+        GgmlType::Q6K if ncols % 256 != 0 => GgmlType::Q8_0,
+        ty => ty,
+    }
+}
+
 /// What a tensor's values should look like when synthesized.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Fill {
@@ -210,7 +238,7 @@ pub fn tensors(shape: &Shape, mix: QuantMix) -> Vec<SynthTensor> {
     let mut matrix = |name: String, role: &str, layer: Option<u64>, dims: &[u64]| {
         out.push(SynthTensor {
             name,
-            ty: mix.matrix_type(role, layer, shape.n_layer),
+            ty: fallback(mix.matrix_type(role, layer, shape.n_layer), dims[0]),
             dims: dims.to_vec(),
             fill: Fill::Blocks,
         });
@@ -314,6 +342,8 @@ mod tests {
             ("llama3-8b", QuantMix::Q8_0, 8_744_993_664),
             ("llama3-70b", QuantMix::Q4KM, 42_744_809_568),
             ("qwen3-30b-a3b", QuantMix::Q4KM, 18_556_684_032),
+            // The real Qwen2.5-Coder 0.5B Q4_K_M (its attn_v widening differs a little).
+            ("qwen2.5-0.5b", QuantMix::Q4KM, 491_400_064),
         ] {
             let data = bytes(name, mix);
             assert!(data < file_size, "{name} {mix:?}: {data} >= {file_size}");

@@ -186,6 +186,9 @@ pub struct MoeBuffers {
     pub weights: CudaSlice<f32>,
     /// tokens x chosen experts x n_embd.
     pub y: CudaSlice<f32>,
+    /// The gated activations of the fused expert kernels (tokens x chosen experts x each
+    /// expert's width), the down products' input.
+    pub gated: DeviceActs,
 }
 
 impl MoeBuffers {
@@ -198,8 +201,10 @@ impl MoeBuffers {
         let experts: Vec<_> = layers.iter().filter_map(|l| l.ffn.experts()).collect();
         let n_exp = experts.iter().map(|x| x.gate.n_expert).max().unwrap_or(0);
         let n_used = experts.iter().map(|x| x.n_used).max().unwrap_or(0);
+        let n_ff = experts.iter().map(|x| x.gate.n_out).max().unwrap_or(0);
         let s = &dev.stream;
         Ok(MoeBuffers {
+            gated: DeviceActs::new(dev, (rows * n_used * n_ff).next_multiple_of(32).max(32))?,
             router: s.alloc_zeros((rows * n_exp).max(1))?,
             ids: s.alloc_zeros((rows * n_used).max(1))?,
             weights: s.alloc_zeros((rows * n_used).max(1))?,
@@ -208,7 +213,11 @@ impl MoeBuffers {
     }
 
     pub fn bytes(&self) -> usize {
-        bytes_of(&self.router) + bytes_of(&self.ids) + bytes_of(&self.weights) + bytes_of(&self.y)
+        bytes_of(&self.router)
+            + bytes_of(&self.ids)
+            + bytes_of(&self.weights)
+            + bytes_of(&self.y)
+            + self.gated.bytes()
     }
 }
 

@@ -11,7 +11,9 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 
 use super::buffers::{MoeBuffers, StepBuffers};
-use super::matvec::{mmvq, mmvq_moe, mmvq_set, DeviceActs};
+use super::matvec::{
+    mmvq, mmvq_moe, mmvq_set, moe_down, moe_fused_supported, moe_gate_up, DeviceActs,
+};
 use super::ops;
 use super::sampling::{argmax, argmax_rows};
 use super::weights::{GpuExperts, GpuFfn, GpuLayer, GpuLinear, GpuWeights};
@@ -79,14 +81,19 @@ impl LayerOps for DecodePass<'_> {
         self.add_norm(&l.attn_norm)?;
         let s = &mut *self.s;
         let e = self.hp.n_embd;
+        // Biases are added by the products themselves.
         matvecs(
             dev,
             &s.acts,
             e,
             rows,
-            [(&l.wq, &mut s.q), (&l.wk, &mut s.k), (&l.wv, &mut s.v)],
+            [
+                (&l.wq, &mut s.q, l.bq.as_ref()),
+                (&l.wk, &mut s.k, l.bk.as_ref()),
+                (&l.wv, &mut s.v, l.bv.as_ref()),
+            ],
         )?;
-        qk_extras(dev, l, &mut s.q, &mut s.k, &mut s.v, rows, self.hp.rms_eps)?;
+        qk_norms(dev, l, &mut s.q, &mut s.k, rows, self.hp.rms_eps)?;
         let (pos, slots) = (s.meta.pos(), s.meta.slots());
         ops::rope_qk_append(
             dev,
@@ -141,7 +148,13 @@ impl LayerOps for DecodePass<'_> {
         match &l.ffn {
             GpuFfn::Dense { gate, up, down } => {
                 let e = self.hp.n_embd;
-                matvecs(dev, &s.acts, e, rows, [(gate, &mut s.g), (up, &mut s.u)])?;
+                matvecs(
+                    dev,
+                    &s.acts,
+                    e,
+                    rows,
+                    [(gate, &mut s.g, None), (up, &mut s.u, None)],
+                )?;
                 s.acts
                     .gated_quantize(dev, &s.g, &s.u, rows * gate.n_out, self.gelu)?;
                 mmvq(
@@ -231,6 +244,18 @@ pub(super) fn qk_extras(
             ops::add_bias(dev, y, b, n * b.len())?;
         }
     }
+    qk_norms(dev, l, q, k, n, eps)
+}
+
+/// The QK-norms of `n` tokens' q and k, where the architecture has them.
+fn qk_norms(
+    dev: &CudaDevice,
+    l: &GpuLayer,
+    q: &mut CudaSlice<f32>,
+    k: &mut CudaSlice<f32>,
+    n: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
     let (nh, nkv) = (l.attn.n_head, l.attn.n_head_kv);
     if let Some(w) = &l.q_norm {
         ops::rms_norm_inplace(dev, q, w, n * nh, eps)?;
@@ -262,8 +287,9 @@ pub(super) fn output_logits(
 
 /// A mixture-of-experts FFN for `n` tokens whose router logits are in `moe.router` and
 /// whose normed input is quantized in `acts`: route, the chosen experts' gate and up, the
-/// gated activation, their down projections, and the weighted sum into `o`. `acts` is
-/// reused for the gated activations.
+/// gated activation, their down projections, and the weighted sum into `o`: two fused
+/// launches where the formats have them, else five (`acts` reused for the gated
+/// activations).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_ffn(
     dev: &CudaDevice,
@@ -287,6 +313,11 @@ pub(super) fn moe_ffn(
         k,
         x.normalize,
     )?;
+    let (gate, up, down) = (x.gate.view(), x.up.view(), x.down.view());
+    if moe_fused_supported(&gate, &up, &down) {
+        moe_gate_up(dev, &gate, &up, &moe.ids, k, acts, &mut moe.gated, n, gelu)?;
+        return moe_down(dev, &down, &moe.ids, &moe.weights, k, &moe.gated, o, n);
+    }
     mmvq_moe(dev, &x.gate.view(), &moe.ids, k, acts, g, n, false)?;
     mmvq_moe(dev, &x.up.view(), &moe.ids, k, acts, u, n, false)?;
     acts.gated_quantize(dev, g, u, n * k * x.gate.n_out, gelu)?;
@@ -294,20 +325,30 @@ pub(super) fn moe_ffn(
     ops::moe_combine(dev, &moe.y, &moe.weights, o, n, k, x.down.n_out)
 }
 
-/// Decode products of `N` matrices with the same input (`rows` tokens): those of one
-/// weight type share a launch (q, k and v; gate and up), so small matrices do not leave
-/// the GPU idle.
+/// A layer's matrix, its output, and its bias if any.
+type LayerProduct<'a> = (
+    &'a GpuLinear,
+    &'a mut CudaSlice<f32>,
+    Option<&'a CudaSlice<f32>>,
+);
+
+/// Decode products of `N` matrices with the same input (`rows` tokens), each with its
+/// bias if any: those of one weight type share a launch (q, k and v; gate and up), so
+/// small matrices do not leave the GPU idle.
 fn matvecs<const N: usize>(
     dev: &CudaDevice,
     acts: &DeviceActs,
     ncols: usize,
     rows: usize,
-    mats: [(&GpuLinear, &mut CudaSlice<f32>); N],
+    mats: [LayerProduct; N],
 ) -> Result<(), CudaError> {
-    let mut pending: Vec<(&GpuLinear, &mut CudaSlice<f32>)> = mats.into_iter().collect();
-    while let Some(ty) = pending.first().map(|(w, _)| w.ty) {
-        let (same, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|(w, _)| w.ty == ty);
-        let mut set: Vec<_> = same.into_iter().map(|(w, y)| (&w.w, y, w.n_out)).collect();
+    let mut pending: Vec<_> = mats.into_iter().collect();
+    while let Some(ty) = pending.first().map(|(w, _, _)| w.ty) {
+        let (same, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|(w, _, _)| w.ty == ty);
+        let mut set: Vec<_> = same
+            .into_iter()
+            .map(|(w, y, b)| (&w.w, y, w.n_out, b))
+            .collect();
         mmvq_set(dev, ty, &mut set, acts, ncols, rows)?;
         pending = rest;
     }

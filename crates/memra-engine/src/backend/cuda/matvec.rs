@@ -312,7 +312,7 @@ pub fn mmvq(
     nrows: usize,
     ntok: usize,
 ) -> Result<(), CudaError> {
-    mmvq_set(dev, ty, &mut [(w, y, nrows)], x, ncols, ntok)
+    mmvq_set(dev, ty, &mut [(w, y, nrows, None)], x, ncols, ntok)
 }
 
 /// The matvec kernels of one weight layout (`cu/quant_matvec.cu`): for one token, for up
@@ -350,7 +350,10 @@ fn kernels(ty: GgmlType, ncols: usize) -> Option<Kernels> {
         (G::Q8_0, true) => coop("mmvq_q8_0_r", 2, "mmvq_q8_0_r_batch", "mmvq_moe_q8_0_r"),
         (G::Q6K, false) => warp("mmvq_q6_k", "mmvq_moe_q6_k"),
         (G::Q8_0, false) => warp("mmvq_q8_0", "mmvq_moe_q8_0"),
-        (G::F32, _) => warp("mmvq_f32", "mmvq_moe_f32"),
+        (G::F32, _) => Kernels {
+            one: ("mmvq_f32_coop", 2),
+            ..warp("mmvq_f32", "mmvq_moe_f32")
+        },
         (G::F16, _) => warp("mmvq_f16", "mmvq_moe_f16"),
         (G::Bf16, _) => warp("mmvq_bf16", "mmvq_moe_bf16"),
         (G::Q4_0, _) => warp("mmvq_q4_0", "mmvq_moe_q4_0"),
@@ -377,6 +380,7 @@ pub fn supported(ty: GgmlType) -> bool {
 struct MatvecSet {
     w: [u64; 3],
     y: [u64; 3],
+    bias: [u64; 3],
     nrows: [i32; 3],
     first: [i32; 4],
 }
@@ -384,11 +388,20 @@ struct MatvecSet {
 // SAFETY: plain data, laid out as the kernel's struct.
 unsafe impl DeviceRepr for MatvecSet {}
 
-/// The kernels' description of `mats` (`(weights, output, rows)` each, rows of `row_bytes`,
-/// `ntok` tokens), each matrix taking `rows_per_block` rows a block, and the blocks in all.
+/// One product of a set: weights, output, rows, and a bias added to every token's row
+/// (`rows` long) where the model has one.
+pub type Product<'a> = (
+    &'a CudaSlice<u8>,
+    &'a mut CudaSlice<f32>,
+    usize,
+    Option<&'a CudaSlice<f32>>,
+);
+
+/// The kernels' description of `mats` (rows of `row_bytes`, `ntok` tokens), each matrix
+/// taking `rows_per_block` rows a block, and the blocks in all.
 fn matvec_set(
     dev: &CudaDevice,
-    mats: &mut [(&CudaSlice<u8>, &mut CudaSlice<f32>, usize)],
+    mats: &mut [Product],
     ntok: usize,
     row_bytes: usize,
     rows_per_block: usize,
@@ -396,16 +409,22 @@ fn matvec_set(
     let mut set = MatvecSet {
         w: [0; 3],
         y: [0; 3],
+        bias: [0; 3],
         nrows: [0; 3],
         first: [0; 4],
     };
     let mut blocks = 0usize;
-    for (i, (w, y, nrows)) in mats.iter_mut().enumerate() {
-        if *nrows == 0 || w.len() < row_bytes * *nrows || y.len() < ntok * *nrows {
+    for (i, (w, y, nrows, bias)) in mats.iter_mut().enumerate() {
+        if *nrows == 0
+            || w.len() < row_bytes * *nrows
+            || y.len() < ntok * *nrows
+            || bias.is_some_and(|b| b.len() < *nrows)
+        {
             return Err(CudaError::Invalid("buffers smaller than the shapes".into()));
         }
         set.w[i] = w.device_ptr(&dev.stream).0;
         set.y[i] = y.device_ptr_mut(&dev.stream).0;
+        set.bias[i] = bias.map_or(0, |b| b.device_ptr(&dev.stream).0);
         set.nrows[i] = *nrows as i32;
         set.first[i] = blocks as i32;
         blocks += nrows.div_ceil(rows_per_block);
@@ -416,12 +435,12 @@ fn matvec_set(
     Ok((set, blocks))
 }
 
-/// [`mmvq`] for one to three matrices of type `ty` with the same input, in one launch:
-/// `(weights, output, rows)` each.
+/// [`mmvq`] for one to three matrices of type `ty` with the same input, in one launch,
+/// each with its bias where it has one.
 pub fn mmvq_set(
     dev: &CudaDevice,
     ty: GgmlType,
-    mats: &mut [(&CudaSlice<u8>, &mut CudaSlice<f32>, usize)],
+    mats: &mut [Product],
     x: &DeviceActs,
     ncols: usize,
     ntok: usize,
@@ -484,7 +503,7 @@ unsafe impl DeviceRepr for MmqSet {}
 fn mmq_set(
     dev: &CudaDevice,
     ty: GgmlType,
-    mats: &mut [(&CudaSlice<u8>, &mut CudaSlice<f32>, usize)],
+    mats: &mut [Product],
     x: &DeviceActs,
     ncols: usize,
     ntok: usize,
@@ -514,7 +533,7 @@ fn mmq_set(
     let (parts, _) = mmq_split(tiles, ncols);
     if parts > 1 {
         let mut at = 0usize;
-        for (i, (_, _, nrows)) in mats.iter().enumerate() {
+        for (i, (_, _, nrows, _)) in mats.iter().enumerate() {
             set.part[i] = at as i64;
             at += parts * ntok * *nrows;
         }
@@ -647,6 +666,171 @@ pub fn mmvq_moe(
     Ok(())
 }
 
+/// The fused expert kernels (`MOE_FUSED` in quant_matvec.cu) for weights of `ty` in rows
+/// of `ncols`, the block-cooperative formats: gate/up, down, and the down kernel's rows
+/// per block.
+fn moe_fused(ty: GgmlType, ncols: usize) -> Option<(&'static str, &'static str, usize)> {
+    use GgmlType as G;
+    ty.row_bytes(ncols as u64)?;
+    Some(match (ty, regrouped(ty, ncols)) {
+        (G::Q4K, _) => ("moe_gate_up_q4_k", "moe_down_q4_k", 8),
+        (G::Q6K, true) => ("moe_gate_up_q6_k_r", "moe_down_q6_k_r", 8),
+        (G::Q6K, false) => ("moe_gate_up_q6_k", "moe_down_q6_k", 8),
+        (G::Q8_0, true) => ("moe_gate_up_q8_0_r", "moe_down_q8_0_r", 4),
+        _ => return None,
+    })
+}
+
+/// Whether an expert FFN of these projections runs as two fused launches
+/// ([`moe_gate_up`], [`moe_down`]) rather than five.
+pub fn moe_fused_supported(gate: &ExpertWeights, up: &ExpertWeights, down: &ExpertWeights) -> bool {
+    gate.ty == up.ty
+        && (gate.n_in, gate.n_out) == (up.n_in, up.n_out)
+        && down.n_in == gate.n_out
+        && gate.n_out % 32 == 0
+        && moe_fused(gate.ty, gate.n_in).is_some()
+        && moe_fused(down.ty, down.n_in).is_some()
+}
+
+/// Bytes between consecutive experts of `e`.
+fn expert_stride(e: &ExpertWeights) -> Result<usize, CudaError> {
+    Ok(e.ty.row_bytes(e.n_in as u64).ok_or_else(|| {
+        CudaError::Invalid(format!("{} columns are not whole {} blocks", e.n_in, e.ty))
+    })? as usize
+        * e.n_out)
+}
+
+/// The chosen experts' gate and up products for `n_tok` tokens (input: each token's row
+/// of `x`), and the gated activation, quantized into `out` as the down products' input
+/// (`n_tok x n_used` rows of `gate.n_out`). Needs [`moe_fused_supported`].
+#[allow(clippy::too_many_arguments)]
+pub fn moe_gate_up(
+    dev: &CudaDevice,
+    gate: &ExpertWeights,
+    up: &ExpertWeights,
+    ids: &CudaSlice<i32>,
+    n_used: usize,
+    x: &DeviceActs,
+    out: &mut DeviceActs,
+    n_tok: usize,
+    gelu: bool,
+) -> Result<(), CudaError> {
+    let (name, _, _) = moe_fused(gate.ty, gate.n_in)
+        .filter(|_| gate.ty == up.ty && (gate.n_in, gate.n_out) == (up.n_in, up.n_out))
+        .ok_or(CudaError::Unsupported {
+            op: "fused expert gate/up",
+            ty: gate.ty,
+        })?;
+    let stride = expert_stride(gate)?;
+    let rows_out = n_tok * n_used * gate.n_out;
+    if gate.w.len() < stride * gate.n_expert
+        || up.w.len() < stride * up.n_expert
+        || ids.len() < n_tok * n_used
+        || x.q.len() < n_tok * gate.n_in
+        || out.q.len() < rows_out
+        || gate.n_out % 32 != 0
+    {
+        return Err(CudaError::Invalid("fused expert gate/up: shapes".into()));
+    }
+    let f = dev.function("quant_matvec", name)?;
+    let cfg = LaunchConfig {
+        grid_dim: ((gate.n_out / 32) as u32, n_used as u32, n_tok as u32),
+        block_dim: (MOE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (st, nu, c, r, g) = (
+        stride as i64,
+        n_used as i32,
+        gate.n_in as i32,
+        gate.n_out as i32,
+        i32::from(gelu),
+    );
+    // SAFETY: shapes checked above; the ids are expert indices below n_expert (written by
+    // moe_route from n_expert router logits).
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(gate.w)
+            .arg(up.w)
+            .arg(&st)
+            .arg(ids)
+            .arg(&nu)
+            .arg(&x.q)
+            .arg(&x.d)
+            .arg(&x.s)
+            .arg(&mut out.q)
+            .arg(&mut out.d)
+            .arg(&mut out.s)
+            .arg(&c)
+            .arg(&r)
+            .arg(&g)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// The chosen experts' down products of each (token, slot) row of `x` and their sum
+/// weighted by `weights` (`n_tok x n_used`) into `y` (`n_tok x down.n_out`).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_down(
+    dev: &CudaDevice,
+    down: &ExpertWeights,
+    ids: &CudaSlice<i32>,
+    weights: &CudaSlice<f32>,
+    n_used: usize,
+    x: &DeviceActs,
+    y: &mut CudaSlice<f32>,
+    n_tok: usize,
+) -> Result<(), CudaError> {
+    let (_, name, rows_per_block) =
+        moe_fused(down.ty, down.n_in).ok_or(CudaError::Unsupported {
+            op: "fused expert down",
+            ty: down.ty,
+        })?;
+    let stride = expert_stride(down)?;
+    if down.w.len() < stride * down.n_expert
+        || ids.len() < n_tok * n_used
+        || weights.len() < n_tok * n_used
+        || x.q.len() < n_tok * n_used * down.n_in
+        || y.len() < n_tok * down.n_out
+    {
+        return Err(CudaError::Invalid("fused expert down: shapes".into()));
+    }
+    let f = dev.function("quant_matvec", name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (down.n_out.div_ceil(rows_per_block) as u32, n_tok as u32, 1),
+        block_dim: (MOE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (st, nu, c, r) = (
+        stride as i64,
+        n_used as i32,
+        down.n_in as i32,
+        down.n_out as i32,
+    );
+    // SAFETY: shapes checked above; the ids are expert indices below n_expert.
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(down.w)
+            .arg(&st)
+            .arg(ids)
+            .arg(weights)
+            .arg(&nu)
+            .arg(&x.q)
+            .arg(&x.d)
+            .arg(&x.s)
+            .arg(y)
+            .arg(&c)
+            .arg(&r)
+            .launch(cfg)?;
+    }
+    Ok(())
+}
+
+/// Threads per block of the fused expert kernels (MOE_WARPS warps).
+const MOE_THREADS: u32 = 256;
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -745,7 +929,8 @@ pub(crate) mod tests {
 
     /// Multiplies `w` (`nrows` rows of `ncols` weights of `ty`) with `ntok` random tokens on
     /// the device and checks each product against f64 sums of the dequantized weights and
-    /// the activations as the kernels round them (int8 per 32, scale amax / 127).
+    /// the activations as the kernels round them (int8 per 32, scale amax / 127); with an
+    /// odd number of tokens, plus a random bias per row.
     fn check_products(
         dev: &CudaDevice,
         ty: GgmlType,
@@ -766,7 +951,18 @@ pub(crate) mod tests {
             .unwrap();
         let mut acts = DeviceActs::with_mmq(dev, ntok * ncols).unwrap();
         acts.quantize(dev, &xd, ntok * ncols).unwrap();
-        mmvq(dev, ty, &wd, &acts, &mut yd, ncols, nrows, ntok).unwrap();
+        let bias: Vec<f32> = (0..nrows)
+            .map(|_| {
+                if ntok % 2 == 1 {
+                    (lcg(seed) % 2001) as f32 / 100.0 - 10.0
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let bd = dev.stream.clone_htod(&bias).unwrap();
+        let b = (ntok % 2 == 1).then_some(&bd);
+        mmvq_set(dev, ty, &mut [(&wd, &mut yd, nrows, b)], &acts, ncols, ntok).unwrap();
         let y = dev.stream.clone_dtoh(&yd).unwrap();
         let x: Vec<f32> = x
             .chunks_exact(32)
@@ -792,9 +988,9 @@ pub(crate) mod tests {
                     .zip(xt)
                     .map(|(a, b)| f64::from((a * b).abs()))
                     .sum();
-                let got = f64::from(y[t * nrows + r]);
+                let got = f64::from(y[t * nrows + r]) - f64::from(bias[r]);
                 assert!(
-                    (got - want).abs() <= 1e-5 * mag + 1e-6,
+                    (got - want).abs() <= 1e-5 * mag + 1e-5,
                     "{ty} {ncols}x{nrows} {ntok} tokens, t{t} row {r}: {got} vs {want}"
                 );
             }
@@ -867,6 +1063,113 @@ pub(crate) mod tests {
 
     /// The tensor-core kernels' 16 tokens against the dp4a kernels' 8 on the llama3-8b shapes:
     /// `--ignored gpu_mmq_bandwidth --nocapture`.
+    /// The fused expert kernels against the separate ones (gate, up, activation, down,
+    /// weighted sum; each checked against the CPU by the tests above and the MoE model
+    /// tests): random weights of every fused format, plain and regrouped, random routing.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_fused_experts_match_the_separate_kernels() {
+        use super::super::ops::moe_combine;
+        use GgmlType as G;
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 23u64;
+        let (n_exp, n_used) = (6usize, 3usize);
+        // (gate/up type, down type, n_embd, expert width): the 30B's shape with Q4_K and
+        // plain Q6_K downs, regrouped Q6_K and Q8_0, plain Q6_K gate/up rows.
+        for (gty, dty, e, f) in [
+            (G::Q4K, G::Q4K, 2048, 768),
+            (G::Q4K, G::Q6K, 2048, 768),
+            (G::Q6K, G::Q6K, 2048, 2048),
+            (G::Q8_0, G::Q8_0, 512, 256),
+            (G::Q6K, G::Q4K, 768, 512),
+        ] {
+            for n_tok in [1usize, 5] {
+                let up_w = |ty, n_in, n_out, seed: &mut u64| {
+                    let b = random_weights(ty, n_in, n_out * n_exp, seed);
+                    upload_weights(&dev, &b, ty, n_in).unwrap()
+                };
+                let (gw, uw, dw) = (
+                    up_w(gty, e, f, &mut seed),
+                    up_w(gty, e, f, &mut seed),
+                    up_w(dty, f, e, &mut seed),
+                );
+                let ew = |w, ty, n_in, n_out| ExpertWeights {
+                    w,
+                    ty,
+                    n_in,
+                    n_out,
+                    n_expert: n_exp,
+                };
+                let (gate, up, down) = (ew(&gw, gty, e, f), ew(&uw, gty, e, f), ew(&dw, dty, f, e));
+                assert!(moe_fused_supported(&gate, &up, &down), "{gty} {dty}");
+                let mut ids = Vec::new();
+                let mut wts = Vec::new();
+                for _ in 0..n_tok {
+                    let mut chosen: Vec<i32> = Vec::new();
+                    while chosen.len() < n_used {
+                        let id = (lcg(&mut seed) % n_exp as u64) as i32;
+                        if !chosen.contains(&id) {
+                            chosen.push(id);
+                        }
+                    }
+                    ids.extend(chosen);
+                    wts.extend((0..n_used).map(|_| (lcg(&mut seed) % 1000) as f32 / 1000.0));
+                }
+                let x: Vec<f32> = (0..n_tok * e)
+                    .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let (idd, wd) = (
+                    dev.stream.clone_htod(&ids).unwrap(),
+                    dev.stream.clone_htod(&wts).unwrap(),
+                );
+                let mut acts = DeviceActs::new(&dev, n_tok * e).unwrap();
+                acts.quantize(&dev, &dev.stream.clone_htod(&x).unwrap(), n_tok * e)
+                    .unwrap();
+                let mut gated = DeviceActs::new(&dev, n_tok * n_used * f).unwrap();
+                let mut fused = dev.stream.alloc_zeros::<f32>(n_tok * e).unwrap();
+                moe_gate_up(
+                    &dev, &gate, &up, &idd, n_used, &acts, &mut gated, n_tok, false,
+                )
+                .unwrap();
+                moe_down(&dev, &down, &idd, &wd, n_used, &gated, &mut fused, n_tok).unwrap();
+                let mut g = dev.stream.alloc_zeros::<f32>(n_tok * n_used * f).unwrap();
+                let mut u = dev.stream.alloc_zeros::<f32>(n_tok * n_used * f).unwrap();
+                mmvq_moe(&dev, &gate, &idd, n_used, &acts, &mut g, n_tok, false).unwrap();
+                mmvq_moe(&dev, &up, &idd, n_used, &acts, &mut u, n_tok, false).unwrap();
+                let mut acts2 = DeviceActs::new(&dev, n_tok * n_used * f).unwrap();
+                acts2
+                    .gated_quantize(&dev, &g, &u, n_tok * n_used * f, false)
+                    .unwrap();
+                let mut y = dev.stream.alloc_zeros::<f32>(n_tok * n_used * e).unwrap();
+                mmvq_moe(&dev, &down, &idd, n_used, &acts2, &mut y, n_tok, true).unwrap();
+                let mut sep = dev.stream.alloc_zeros::<f32>(n_tok * e).unwrap();
+                moe_combine(&dev, &y, &wd, &mut sep, n_tok, n_used, e).unwrap();
+                let (a, b) = (
+                    dev.stream.clone_dtoh(&fused).unwrap(),
+                    dev.stream.clone_dtoh(&sep).unwrap(),
+                );
+                let big = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(big > 0.0 && big.is_finite());
+                for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                    // The gated activations are rounded to int8 after sums taken in another
+                    // order: a level may flip here and there.
+                    assert!(
+                        (p - q).abs() <= 2e-3 * big,
+                        "{gty}/{dty} {n_tok} tokens, element {i}: {p} vs {q} (max {big})"
+                    );
+                }
+            }
+        }
+        let q5 = ExpertWeights {
+            w: &dev.stream.alloc_zeros(22 * 8 * 2).unwrap(),
+            ty: G::Q5_0,
+            n_in: 32,
+            n_out: 32,
+            n_expert: 1,
+        };
+        assert!(!moe_fused_supported(&q5, &q5, &q5));
+    }
+
     #[test]
     #[ignore = "needs an NVIDIA GPU"]
     fn gpu_mmq_bandwidth() {
@@ -993,9 +1296,9 @@ pub(crate) mod tests {
                 &dev,
                 GgmlType::Q4K,
                 &mut [
-                    (q, &mut *y0, 4096),
-                    (k, &mut *y1, 1024),
-                    (k, &mut *y2, 1024),
+                    (q, &mut *y0, 4096, None),
+                    (k, &mut *y1, 1024, None),
+                    (k, &mut *y2, 1024, None),
                 ],
                 &acts,
                 4096,

@@ -657,7 +657,12 @@ pub fn moe_combine(
         "moe_combine: shapes",
     )?;
     let f = dev.function("moe", "moe_combine")?;
-    let cfg = blocks(n_tok, THREADS);
+    // One thread per output element, so that no thread waits on more than its n_used loads.
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS as usize) as u32, n_tok as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let (nu, n_i) = (n_used as i32, n as i32);
     // SAFETY: shapes checked above.
     unsafe {
