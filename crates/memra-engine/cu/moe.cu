@@ -3,7 +3,6 @@
 #include "common.cuh"
 
 #define MAX_USED 16
-#define MAX_EXPERTS 1024  // the host checks
 
 // Per token (one warp each): softmax over the router's n_exp logits, the n_used most
 // probable experts (ties: the lower index, as the CPU engine sorts), their probabilities
@@ -13,36 +12,24 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
     PDL_WAIT();
     const int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (size_t)t * n_exp;
-    // The lane's logits (lane + 32j) in registers, loaded together: reading them again in
-    // each of the 2 + n_used passes had made the kernel a chain of L1/L2 waits.
-    constexpr int PER_LANE = MAX_EXPERTS / WARP_SIZE;
-    float lv[PER_LANE];
-#pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) lv[j] = lane + WARP_SIZE * j < n_exp ? l[lane + WARP_SIZE * j] : -INFINITY;
     float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) mx = fmaxf(mx, lv[j]);
+    for (int i = lane; i < n_exp; i += WARP_SIZE) mx = fmaxf(mx, l[i]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
     float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
-        if (lane + WARP_SIZE * j < n_exp) sum += expf(lv[j] - mx);
-    }
+    for (int i = lane; i < n_exp; i += WARP_SIZE) sum += expf(l[i] - mx);
     sum = warp_sum(sum);
     // Pick the best remaining expert n_used times; `taken` marks chosen ones per lane slot.
-    uint32_t taken = 0;  // bit j: expert lane + 32j chosen
+    uint32_t taken = 0;  // bit k: expert lane + 32k chosen (n_exp <= 1024)
     float chosen_p[MAX_USED];
     int chosen_i[MAX_USED];
     float total = 0.0f;
     for (int k = 0; k < n_used; ++k) {
         float best = -INFINITY;
         int at = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const int i = lane + WARP_SIZE * j;
-            if (i < n_exp && !((taken >> j) & 1) && (lv[j] > best || (lv[j] == best && i < at))) {
-                best = lv[j];
+        for (int i = lane, j = 0; i < n_exp; i += WARP_SIZE, ++j) {
+            if (!((taken >> j) & 1) && (l[i] > best || (l[i] == best && i < at))) {
+                best = l[i];
                 at = i;
             }
         }
