@@ -318,10 +318,10 @@ pub(super) fn moe_ffn(
         moe_gate_up(dev, &gate, &up, &moe.ids, k, acts, &mut moe.gated, n, gelu)?;
         return moe_down(dev, &down, &moe.ids, &moe.weights, k, &moe.gated, o, n);
     }
-    mmvq_moe(dev, &x.gate.view(), &moe.ids, k, acts, g, n, false)?;
-    mmvq_moe(dev, &x.up.view(), &moe.ids, k, acts, u, n, false)?;
+    mmvq_moe(dev, &gate, &moe.ids, k, acts, g, n, false)?;
+    mmvq_moe(dev, &up, &moe.ids, k, acts, u, n, false)?;
     acts.gated_quantize(dev, g, u, n * k * x.gate.n_out, gelu)?;
-    mmvq_moe(dev, &x.down.view(), &moe.ids, k, acts, &mut moe.y, n, true)?;
+    mmvq_moe(dev, &down, &moe.ids, k, acts, &mut moe.y, n, true)?;
     ops::moe_combine(dev, &moe.y, &moe.weights, o, n, k, x.down.n_out)
 }
 

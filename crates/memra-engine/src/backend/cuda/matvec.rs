@@ -615,10 +615,7 @@ pub fn mmvq_moe(
         ty: e.ty,
     })?;
     let (name, rows_per_block) = (k.experts, k.one.1);
-    let stride = e.ty.row_bytes(e.n_in as u64).ok_or_else(|| {
-        CudaError::Invalid(format!("{} columns are not whole {} blocks", e.n_in, e.ty))
-    })? as usize
-        * e.n_out;
+    let stride = expert_stride(e)?;
     let rows_in = if per_slot { n_tok * n_used } else { n_tok };
     if e.w.len() < stride * e.n_expert
         || ids.len() < n_tok * n_used
