@@ -14,13 +14,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel families, one fatbin each.
-const KERNELS: [&str; 10] = [
+const KERNELS: [&str; 11] = [
     "attention",
     "dequant",
     "elementwise",
     "moe",
     "norm",
     "probe",
+    "quant_gemm",
     "quant_matvec",
     "quant_mmq",
     "rope",

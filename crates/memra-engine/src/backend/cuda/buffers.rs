@@ -189,6 +189,29 @@ pub struct MoeBuffers {
     /// The gated activations of the fused expert kernels (tokens x chosen experts x each
     /// expert's width), the down products' input.
     pub gated: DeviceActs,
+    /// The grouping of a batch's (token, expert) pairs by expert (prompt batches of layers
+    /// whose experts have tile copies).
+    pub grouped: Option<GroupedMoe>,
+}
+
+/// What `moe_group` writes and the grouped products read (`experts.rs`).
+pub struct GroupedMoe {
+    /// Each slot's token, each pair's slot.
+    pub slot_tok: CudaSlice<i32>,
+    pub slot_of: CudaSlice<i32>,
+    /// (expert, first slot, count) per tile, and the count of tiles.
+    pub tiles: CudaSlice<i32>,
+    pub tiles_n: CudaSlice<i32>,
+    /// The gated activations' f16 range factors, per slot.
+    pub scale: CudaSlice<f32>,
+}
+
+impl GroupedMoe {
+    /// Tiles a batch of `pairs` (token, expert) pairs over `n_exp` experts can need, with
+    /// at least 16 slots a tile.
+    pub fn max_tiles(pairs: usize, n_exp: usize) -> usize {
+        pairs.div_ceil(16) + n_exp.min(pairs)
+    }
 }
 
 impl MoeBuffers {
@@ -203,7 +226,20 @@ impl MoeBuffers {
         let n_used = experts.iter().map(|x| x.n_used).max().unwrap_or(0);
         let n_ff = experts.iter().map(|x| x.gate.n_out).max().unwrap_or(0);
         let s = &dev.stream;
+        let tiles = experts.iter().any(|x| x.gate.tiles.is_some());
+        let pairs = rows * n_used;
+        let grouped = match tiles && rows > MAX_DECODE_ROWS {
+            true => Some(GroupedMoe {
+                slot_tok: s.alloc_zeros(pairs)?,
+                slot_of: s.alloc_zeros(pairs)?,
+                tiles: s.alloc_zeros(3 * GroupedMoe::max_tiles(pairs, n_exp))?,
+                tiles_n: s.alloc_zeros(1)?,
+                scale: s.alloc_zeros(pairs)?,
+            }),
+            false => None,
+        };
         Ok(MoeBuffers {
+            grouped,
             gated: DeviceActs::new(dev, (rows * n_used * n_ff).next_multiple_of(32).max(32))?,
             router: s.alloc_zeros((rows * n_exp).max(1))?,
             ids: s.alloc_zeros((rows * n_used).max(1))?,
@@ -218,6 +254,13 @@ impl MoeBuffers {
             + bytes_of(&self.weights)
             + bytes_of(&self.y)
             + self.gated.bytes()
+            + self.grouped.as_ref().map_or(0, |g| {
+                bytes_of(&g.slot_tok)
+                    + bytes_of(&g.slot_of)
+                    + bytes_of(&g.tiles)
+                    + bytes_of(&g.tiles_n)
+                    + bytes_of(&g.scale)
+            })
     }
 }
 

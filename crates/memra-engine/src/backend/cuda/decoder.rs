@@ -85,6 +85,12 @@ pub enum F16Weights {
 /// the KV cache.
 pub const F16_AUTO_SHARE: f64 = 0.25;
 
+/// The share of free memory (after the weights, their f16 copies and the asked KV cache)
+/// the experts' tile copies may take (`qgemm.rs`: the grouped products of MoE batches; the
+/// 30B-A3B's take about 20 GiB on the H200's 140). `MEMRA_EXPERT_TILES=0` goes without
+/// them (batches through the decode kernels, every token reading its experts' rows).
+pub const EXPERT_TILES_SHARE: f64 = 0.5;
+
 /// How a decoder is set up on its GPU.
 #[derive(Clone, Copy, Debug)]
 pub struct GpuOptions {
@@ -226,6 +232,14 @@ impl GpuDecoder {
             }
             w.keep_f16(&dev)?;
         }
+        let want_tiles = std::env::var("MEMRA_EXPERT_TILES").map_or(true, |v| v != "0");
+        if want_tiles && w.expert_tile_bytes() > 0 {
+            let (free, _) = dev.ctx.mem_get_info()?;
+            let left = free.saturating_sub(asked) as f64;
+            if w.expert_tile_bytes() as f64 <= EXPERT_TILES_SHARE * left {
+                w.keep_expert_tiles(&dev, model)?;
+            }
+        }
         let widths = Widths {
             n_embd: hp.n_embd,
             q_len: hp.n_head * hd,
@@ -286,7 +300,7 @@ impl GpuDecoder {
             embd_scale: model.embd_scale.unwrap_or(1.0),
             gelu: model.activation == Activation::GeluTanh,
             softcap: model.final_logit_softcap,
-            weight_bytes: w.matrix_bytes + w.f16_bytes,
+            weight_bytes: w.matrix_bytes + w.f16_bytes + w.tile_bytes,
             cache_bytes: slots * token_bytes,
             w,
             k_cache,
@@ -355,6 +369,10 @@ impl GpuDecoder {
         let f16 = match self.w.f16_bytes {
             0 => String::new(),
             b => format!(" (f16 copies for the GEMMs {:.0} MiB)", mib(b)),
+        };
+        let f16 = match self.w.tile_bytes {
+            0 => f16,
+            b => format!("{f16} (experts' tile copies {:.0} MiB)", mib(b)),
         };
         format!(
             "gpu memory: {:.0} MiB held: weights {:.0} MiB{f16}, KV cache {:.0} MiB (f16, {} \

@@ -11,12 +11,14 @@
 mod buffers;
 mod decode;
 pub mod decoder;
+mod experts;
 pub mod gemm;
 pub mod graph;
 pub mod matvec;
 pub mod ops;
 pub mod probe;
 mod prompt;
+mod qgemm;
 pub mod sampling;
 mod weights;
 

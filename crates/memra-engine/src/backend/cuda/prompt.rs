@@ -2,8 +2,9 @@
 //! any number of sequences (prompt chunks, perplexity, and the decodes of a step with
 //! `GEMM_DECODE_ROWS` or more), through f16 GEMMs on weights
 //! dequantized one matrix (or chunk of rows) at a time into a scratch buffer, and paged
-//! flash attention. Mixture-of-experts FFNs run through the decode kernels, every token's
-//! chosen experts in one launch per projection. The rows that need logits go through the
+//! flash attention. Mixture-of-experts FFNs run as grouped products over the experts' tile
+//! copies (`experts.rs`), or without them through the decode kernels, every token's chosen
+//! experts in one launch per projection. The rows that need logits go through the
 //! decode kernels (up to [`MAX_MATVEC_ROWS`]) or one output GEMM.
 
 use cudarc::driver::{CudaSlice, CudaView};
@@ -15,6 +16,7 @@ use super::buffers::{
     gemm_chunk_rows, BatchBuffers, StepBuffers, Widths, GEMM_SCRATCH, MAX_MATVEC_ROWS,
 };
 use super::decode::{moe_ffn, output_logits, qk_extras};
+use super::experts;
 use super::gemm::Gemm;
 use super::ops;
 use super::sampling::argmax_rows;
@@ -238,10 +240,21 @@ impl LayerOps for PromptPass<'_> {
                 ops::scale_rows(dev, &mut bb.o, &bb.row_scale, n, e)?;
             }
             GpuFfn::Experts(xp) => {
-                // The router is a GEMM on the f16 rows; the experts go through the decode
-                // kernels (no grouped GEMM yet: each token reads its experts' weights).
+                // The router is a GEMM on the f16 rows; the experts are grouped products
+                // over their tile copies, or (without them) go through the decode kernels,
+                // each token reading its experts' weights.
                 self.linear(&xp.router, Out::Router)?;
                 let bb = &mut *self.bb;
+                if experts::grouped(xp, &bb.moe) {
+                    let (xh, g, u, moe, o) =
+                        (&mut bb.xh, &mut bb.g, &mut bb.u, &mut bb.moe, &mut bb.o);
+                    experts::grouped_ffn(dev, xp, xh, g, u, moe, o, n, self.gelu)?;
+                    if let Some(w) = &l.post_ffn_norm {
+                        ops::rms_norm_inplace(dev, &mut self.bb.o, w, n, eps)?;
+                    }
+                    self.pending = true;
+                    return Ok(());
+                }
                 let acts = bb.moe_acts.as_mut().expect("allocated with expert layers");
                 // The normed rows again, as int8 (bb.o is free: it takes a copy of x).
                 acts.add_norm_quantize(dev, &bb.x, None, &mut bb.o, &l.ffn_norm, n, eps)?;
