@@ -68,27 +68,10 @@ pub(super) fn grouped_ffn(
             nt,
         }
     }
-    {
-        let xv = xh.slice(..n * e);
+    let xv = xh.slice(..n * e);
+    for (w, out) in [(&x.gate, &mut *g), (&x.up, &mut *u)] {
         let idx = Some(&gm.slot_tok);
-        qgemm_grouped(
-            dev,
-            tiles(&x.gate),
-            &xv,
-            idx,
-            &et(gm, max_tiles, nt),
-            g,
-            pairs,
-        )?;
-        qgemm_grouped(
-            dev,
-            tiles(&x.up),
-            &xv,
-            idx,
-            &et(gm, max_tiles, nt),
-            u,
-            pairs,
-        )?;
+        qgemm_grouped(dev, tiles(w), &xv, idx, &et(gm, max_tiles, nt), out, pairs)?;
     }
     ops::gated_f16(dev, g, u, xh, &mut gm.scale, pairs, f, gelu)?;
     let xv = xh.slice(..pairs * f);
