@@ -1,7 +1,7 @@
 // Attention over the paged f16 KV cache: split-K flash decoding for one query token of
 // each of several sequences (with a combine kernel that merges the splits and quantizes the
 // result for the output projection), and flash attention for prompt chunks of several
-// sequences.
+// sequences: on the tensor cores for heads of up to 128 dimensions, on CUDA cores above.
 //
 // Layouts: the pool holds, per slot, n_head_kv heads of D halves (K and V alike: these
 // kernels take dk == dv == D, one of 32, 64, 128, 256). Sequence s keeps position j in slot
@@ -10,6 +10,7 @@
 // n_head_kv). A layer with a sliding window of w positions lets the query at position p
 // see positions p-w+1 .. p.
 #include "common.cuh"
+#include "tensor_core.cuh"
 
 #define MAX_SPLITS 128
 
@@ -485,3 +486,222 @@ ATTN_PREFILL(32)
 ATTN_PREFILL(64)
 ATTN_PREFILL(128)
 ATTN_PREFILL(256)
+
+// Prompt batches on the tensor cores (f16 `mma.sync`, f32 accumulate), flash attention 2's
+// order: a block of TC_WARPS warps holds TC_ROWS query rows, 16 a warp, as A fragments in
+// registers; key and value tiles of TC_KEYS positions are copied from the paged pool into
+// shared memory by cp.async, the next tile while this one is multiplied. A warp scores its
+// rows against the tile (S = Q K^T), updates its running softmax in registers (base 2: the
+// queries are scaled by log2 e), and multiplies the probabilities, rounded to f16 in the
+// accumulators' own layout (which is the A fragment's), by the values.
+//
+// The rows of one KV head are (query, head of the group) pairs, query-major: row r is query
+// r / group, head kvh * group + r % group. All heads of a group share the block's key tiles,
+// so a chunk of a few queries (a decode-sized chunk, a speculative verify) still fills the
+// block's rows. Blocks take their tiles from the end of the chunk first: the last queries
+// see the most keys. Rows are independent: a row's result does not depend on the others of
+// its block, nor on the batch.
+#define TC_WARPS 4
+#define TC_ROWS (TC_WARPS * 16)
+#define TC_KEYS 64
+
+template <int D>
+__device__ __forceinline__ void attn_prefill_tc(const float* __restrict__ q, const __half* __restrict__ k_cache,
+                                                const __half* __restrict__ v_cache, __half* __restrict__ out,
+                                                const int* __restrict__ q_start, const int* __restrict__ ctx_len,
+                                                const int* __restrict__ block_tables, int max_blocks, int bs_log2,
+                                                int n_head, int n_head_kv, int window, float scale) {
+    constexpr int STRIDE = D + 8;  // halves per shared row: ldmatrix's 8 rows meet no bank twice
+    constexpr int KD = D / 16;     // k16 steps over a head
+    constexpr int NK = TC_KEYS / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __half* ks = (__half*)smem_raw;       // 2 stages x TC_KEYS x STRIDE
+    __half* vs = ks + 2 * TC_KEYS * STRIDE;  // the same
+
+    const int kvh = blockIdx.y, seq = blockIdx.z;
+    const int group = n_head / n_head_kv;
+    const int n_q = q_start[seq + 1] - q_start[seq];
+    const int n_rows = n_q * group;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
+    if (r0 >= n_rows) return;  // the grid covers the longest sequence of the batch
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int p0 = ctx_len[seq] - n_q;
+    const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
+    const size_t row = (size_t)n_head_kv * D;
+    const int last_row = min(n_rows, r0 + TC_ROWS) - 1;
+    // The block's query positions, the warp's, and this thread's two rows' (a row past the
+    // chunk takes the last one's position and is not written).
+    const int pos_lo = p0 + r0 / group, pos_hi = p0 + last_row / group;
+    const int wr = r0 + warp * 16;
+    const int wpos_lo = p0 + min(wr, last_row) / group, wpos_hi = p0 + min(wr + 15, last_row) / group;
+    const int ra = wr + g, rb = wr + g + 8;
+    const int pa = p0 + min(ra, last_row) / group, pb = p0 + min(rb, last_row) / group;
+    const int k_lo = window > 0 ? max(0, pos_lo - window + 1) : 0, k_hi = pos_hi + 1;
+
+    // The warp's queries as A fragments, scaled by scale * log2(e).
+    uint32_t qf[KD][4];
+    {
+        const float qs = scale * 1.4426950408889634f;
+        const float* qa = q + ((size_t)(q_start[seq] + min(ra, last_row) / group) * n_head + kvh * group +
+                               min(ra, last_row) % group) * D;
+        const float* qb = q + ((size_t)(q_start[seq] + min(rb, last_row) / group) * n_head + kvh * group +
+                               min(rb, last_row) % group) * D;
+#pragma unroll
+        for (int kd = 0; kd < KD; ++kd) {
+            const float2 a0 = *(const float2*)(qa + 16 * kd + 2 * t), a1 = *(const float2*)(qb + 16 * kd + 2 * t);
+            const float2 a2 = *(const float2*)(qa + 16 * kd + 8 + 2 * t), a3 = *(const float2*)(qb + 16 * kd + 8 + 2 * t);
+            qf[kd][0] = pack_half2(a0.x * qs, a0.y * qs);
+            qf[kd][1] = pack_half2(a1.x * qs, a1.y * qs);
+            qf[kd][2] = pack_half2(a2.x * qs, a2.y * qs);
+            qf[kd][3] = pack_half2(a3.x * qs, a3.y * qs);
+        }
+    }
+
+    // Tile kb's keys and values into stage st; positions at or past k_hi are zeros.
+    auto load_tile = [&](int kb, int st) {
+        for (int c = threadIdx.x; c < TC_KEYS * D / 8; c += TC_WARPS * WARP_SIZE) {
+            const int j = c / (D / 8), part = c % (D / 8);
+            const int key = kb + j;
+            const bool in = key < k_hi;
+            const size_t at = in ? kv_slot(bt, key, bs_log2) * row + (size_t)kvh * D + part * 8 : 0;
+            const int sh = (st * TC_KEYS + j) * STRIDE + part * 8;
+            tc_cp16(ks + sh, k_cache + at, in);
+            tc_cp16(vs + sh, v_cache + at, in);
+        }
+        tc_commit();
+    };
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+    const int kb0 = k_lo & ~(TC_KEYS - 1);
+    const int n_tiles = (k_hi - kb0 + TC_KEYS - 1) / TC_KEYS;
+    const int mi = lane >> 3, mr = lane & 7;  // ldmatrix: this lane's matrix and row in it
+    load_tile(kb0, 0);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int kb = kb0 + it * TC_KEYS, st = it & 1;
+        if (it + 1 < n_tiles) {
+            load_tile(kb + TC_KEYS, st ^ 1);
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncthreads();
+        // A warp whose rows see none of the tile, or that has no rows, skips it.
+        if (wr < n_rows && kb <= wpos_hi && (window <= 0 || kb + TC_KEYS - 1 > wpos_lo - window)) {
+            const __half* kt = ks + st * TC_KEYS * STRIDE;
+            const __half* vt = vs + st * TC_KEYS * STRIDE;
+            float s[NK][4];
+#pragma unroll
+            for (int j = 0; j < NK; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+            for (int kd = 0; kd < KD; ++kd) {
+#pragma unroll
+                for (int j = 0; j < NK; j += 2) {
+                    uint32_t b[4];
+                    tc_ldmatrix4(b, kt + (8 * j + (mi >> 1) * 8 + mr) * STRIDE + 16 * kd + (mi & 1) * 8);
+                    tc_mma(s[j], qf[kd], b[0], b[1]);
+                    tc_mma(s[j + 1], qf[kd], b[2], b[3]);
+                }
+            }
+            // Masks only where the tile is not wholly visible to the block's rows.
+            if (kb + TC_KEYS - 1 > pos_lo || (window > 0 && kb <= pos_hi - window)) {
+#pragma unroll
+                for (int j = 0; j < NK; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kb + 8 * j + 2 * t + e;
+                        if (key > pa || (window > 0 && key <= pa - window)) s[j][e] = -INFINITY;
+                        if (key > pb || (window > 0 && key <= pb - window)) s[j][2 + e] = -INFINITY;
+                    }
+                }
+            }
+            float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+            for (int j = 0; j < NK; ++j) {
+                mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+                mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+            }
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) {
+                mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffff, mx_a, off));
+                mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffff, mx_b, off));
+            }
+            // A row that has seen no visible key yet keeps m = -inf: guard the exps.
+            const float ref_a = mx_a == -INFINITY ? 0.0f : mx_a, ref_b = mx_b == -INFINITY ? 0.0f : mx_b;
+            const float c_a = m_a == -INFINITY ? 0.0f : exp2f(m_a - ref_a);
+            const float c_b = m_b == -INFINITY ? 0.0f : exp2f(m_b - ref_b);
+            m_a = mx_a;
+            m_b = mx_b;
+            float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NK; ++j) {
+                s[j][0] = exp2f(s[j][0] - ref_a);
+                s[j][1] = exp2f(s[j][1] - ref_a);
+                s[j][2] = exp2f(s[j][2] - ref_b);
+                s[j][3] = exp2f(s[j][3] - ref_b);
+                sum_a += s[j][0] + s[j][1];
+                sum_b += s[j][2] + s[j][3];
+            }
+            l_a = l_a * c_a + sum_a;
+            l_b = l_b * c_b + sum_b;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                o[i][0] *= c_a;
+                o[i][1] *= c_a;
+                o[i][2] *= c_b;
+                o[i][3] *= c_b;
+            }
+#pragma unroll
+            for (int kk = 0; kk < TC_KEYS / 16; ++kk) {
+                const uint32_t pa4[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                                         pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                         pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int dn = 0; dn < D / 8; dn += 2) {
+                    uint32_t b[4];
+                    tc_ldmatrix4_trans(b, vt + (16 * kk + (mi & 1) * 8 + mr) * STRIDE + 8 * dn + (mi >> 1) * 8);
+                    tc_mma(o[dn], pa4, b[0], b[1]);
+                    tc_mma(o[dn + 1], pa4, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // the stage is refilled next iteration
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffff, l_a, off);
+        l_b += __shfl_xor_sync(0xffffffff, l_b, off);
+    }
+    // Every written row sees its own key, so its sum is positive.
+    const float inv_a = 1.0f / l_a, inv_b = 1.0f / l_b;
+    const size_t base = (size_t)q_start[seq] * n_head + kvh * group;
+    if (ra < n_rows) {
+        __half* orow = out + (base + (size_t)(ra / group) * n_head + ra % group) * D + 2 * t;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) *(__half2*)(orow + 8 * i) = __floats2half2_rn(o[i][0] * inv_a, o[i][1] * inv_a);
+    }
+    if (rb < n_rows) {
+        __half* orow = out + (base + (size_t)(rb / group) * n_head + rb % group) * D + 2 * t;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) *(__half2*)(orow + 8 * i) = __floats2half2_rn(o[i][2] * inv_b, o[i][3] * inv_b);
+    }
+}
+
+#define ATTN_PREFILL_TC(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * WARP_SIZE)                                              \
+        attn_prefill_tc_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                       \
+                             const __half* __restrict__ v_cache, __half* __restrict__ out,                          \
+                             const int* __restrict__ q_start, const int* __restrict__ ctx_len,                      \
+                             const int* __restrict__ block_tables, int max_blocks, int bs_log2, int n_head,         \
+                             int n_head_kv, int window, float scale) {                                              \
+        PDL_WAIT();                                                                                                 \
+        attn_prefill_tc<D>(q, k_cache, v_cache, out, q_start, ctx_len, block_tables, max_blocks, bs_log2, n_head,   \
+                           n_head_kv, window, scale);                                                               \
+    }
+
+ATTN_PREFILL_TC(32)
+ATTN_PREFILL_TC(64)
+ATTN_PREFILL_TC(128)

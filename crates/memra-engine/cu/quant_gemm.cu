@@ -24,34 +24,11 @@
 // first slot and token count; blocks past the list's length return at once. A slot's
 // activations are row idx[slot] of X (or row slot itself), its output row `slot` of Y.
 #include "common.cuh"
+#include "tensor_core.cuh"
 
 #define QG_THREADS 128
 #define QG_ROWS 64  // rows per block, 16 a warp
 #define QG_KC 128   // columns per stage
-
-__device__ __forceinline__ void qg_cp16(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    const int n = valid ? 16 : 0;  // 0: the piece is zero-filled (a token past the tile's count)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n));
-}
-
-__device__ __forceinline__ void qg_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void qg_ldmatrix4(uint32_t (&r)[4], const void* smem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-__device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
 // (1024 + u) as half2 -> s * u - m: the subtraction is exact, the fma rounds once.
 __device__ __forceinline__ uint32_t qg_weight(uint32_t biased, __half2 s, __half2 negm) {
@@ -138,9 +115,9 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
         for (int i = 0; i < NT; ++i) {
             const int r = threadIdx.x / 16 + 8 * i;
             uint4* dst = qg_smem + (buf * BN + r) * 16 + (pc ^ (r & 7));
-            qg_cp16(dst, src[i] + st * QG_KC, ok[i]);
+            tc_cp16(dst, src[i] + st * QG_KC, ok[i]);
         }
-        asm volatile("cp.async.commit_group;");
+        tc_commit();
     };
     // This lane's levels and scales of a stage (2 chunks).
     auto load = [&](int st, uint4 (&w)[2 * WPC], uint2 (&s)[2][2 * SC]) {
@@ -171,9 +148,9 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
         if (st + 1 < st1) {
             stage(st + 1, buf ^ 1);
             load(st + 1, w_next, s_next);
-            asm volatile("cp.async.wait_group 1;");
+            tc_wait<1>();
         } else {
-            asm volatile("cp.async.wait_group 0;");
+            tc_wait<0>();
         }
         __syncthreads();
         const uint4* xs = qg_smem + buf * BN * 16;
@@ -188,7 +165,7 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 const int r = 8 * j + (lane % 8), p = 2 * step + lane / 8;
-                qg_ldmatrix4(b[j], xs + r * 16 + (p ^ (r & 7)));
+                tc_ldmatrix4(b[j], xs + r * 16 + (p ^ (r & 7)));
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -201,7 +178,7 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
                 uint32_t a[4];
                 qg_unpack<BITS>(a, words + (c * WPC) * 4 + j4 * (BITS / 4), sg, mg, s8, m8);
 #pragma unroll
-                for (int j = 0; j < NT; ++j) qg_mma(acc[j], a, b[j][2 * h], b[j][2 * h + 1]);
+                for (int j = 0; j < NT; ++j) tc_mma(acc[j], a, b[j][2 * h], b[j][2 * h + 1]);
             }
         }
         __syncthreads();

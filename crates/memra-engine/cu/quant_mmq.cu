@@ -25,6 +25,7 @@
 // documented layout would take two 4-byte ones. Q6_K, whose scales are per 16, uses
 // m16n8k16 per 16 weights (lane q: weights 4q..4q+3).
 #include "quant_blocks.cuh"
+#include "tensor_core.cuh"
 
 #define MMQ_THREADS 128
 #define MMQ_TILE 64    // rows per block, 16 a warp
@@ -44,14 +45,6 @@ __device__ __forceinline__ void mma_k16(int (&c)[4], int a0, int a1, int b0) {
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(b0));
 }
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // The staged activations of one chunk: q[t][XROW] int8, d[t][8] and s[t][8] f32 (per 32).
 struct Acts {
@@ -293,7 +286,7 @@ __device__ __forceinline__ void stage_chunk(uint8_t* st, const uint8_t* __restri
         const int r = i / U::COPIES, j = i % U::COPIES;
         // Rows past the end repeat the last row; their sums are not stored.
         const uint8_t* row = W + (size_t)min(r0 + r, nrows - 1) * row_bytes;
-        cp_async16(st + r * U::SROW + 16 * j, U::src(row, kb, j));
+        tc_cp16(st + r * U::SROW + 16 * j, U::src(row, kb, j), true);
     }
     const int n_sub = ncols / 32;
     // Tokens past ntok repeat the last token; their columns are not stored.
@@ -301,11 +294,11 @@ __device__ __forceinline__ void stage_chunk(uint8_t* st, const uint8_t* __restri
     for (int i = threadIdx.x; i < 8 * NT * 20; i += THREADS) {
         const int t = i / 20, j = i % 20, ts = min(t, ntok - 1);
         if (j < 16) {
-            cp_async16(st + S::W + t * XROW + 16 * j, XQ + (size_t)ts * ncols + (size_t)kb * 256 + 16 * j);
+            tc_cp16(st + S::W + t * XROW + 16 * j, XQ + (size_t)ts * ncols + (size_t)kb * 256 + 16 * j, true);
         } else {
             const float* v = j < 18 ? XD : XS;
             const int off = j < 18 ? 0 : S::F;
-            cp_async16(st + S::W + S::Q + off + t * 32 + 16 * (j % 2), v + (size_t)ts * n_sub + kb * 8 + 4 * (j % 2));
+            tc_cp16(st + S::W + S::Q + off + t * 32 + 16 * (j % 2), v + (size_t)ts * n_sub + kb * 8 + 4 * (j % 2), true);
         }
     }
 }
@@ -348,7 +341,7 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
     for (int i = 0; i < STAGES - 1; ++i) {
         if (c0 + i < c1)
             stage_chunk<U, NT, THREADS>(smem + i * S::BYTES, W, row_bytes, r0, nrows, XQ, XD, XS, ncols, ntok, c0 + i);
-        cp_async_commit();
+        tc_commit();
     }
     for (int kb = c0; kb < c1; ++kb) {
         uint8_t* st = smem + ((kb - c0) % STAGES) * S::BYTES;
@@ -357,8 +350,8 @@ __device__ __forceinline__ void mmq(const MmqSet& set, const int8_t* __restrict_
             stage_chunk<U, NT, THREADS>(smem + ((next - c0) % STAGES) * S::BYTES, W, row_bytes, r0, nrows, XQ, XD, XS,
                                         ncols, ntok, next);
         }
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
+        tc_commit();
+        tc_wait<STAGES - 1>();
         __syncthreads();
         const Acts x = {(const int8_t*)(st + S::W), (const float*)(st + S::W + S::Q),
                         (const float*)(st + S::W + S::Q + S::F)};

@@ -16,57 +16,78 @@ __device__ __forceinline__ void rotate(const float* src, int i, int half, int n_
 }
 
 // RoPE on q (n_head heads per token, in place) and k (n_head_kv heads, written rotated
-// into the f16 cache), and v copied into the cache: one launch instead of two RoPEs and two
-// copies. Token t of the batch (blockIdx.y) sits at position pos[t] and writes cache row
-// slot[t] (its sequence's block and offset in the paged pool); both are read on the device
-// so that a captured decode graph replays with new ones. One thread per rotation pair, per
-// passed-through k element and per v element.
-extern "C" __global__ void rope_qk_append(float* __restrict__ q, const float* __restrict__ k,
-                                          const float* __restrict__ v, __half* __restrict__ k_cache,
-                                          __half* __restrict__ v_cache, int n_head, int n_head_kv, int head_dim,
-                                          int dv, int n_dims, const int* __restrict__ pos,
-                                          const int* __restrict__ slot, float base,
-                                          float freq_scale, const float* __restrict__ freq_factors, int halves) {
+// into the f16 cache), after each head's RMS norm where the architecture has QK-norms
+// (q_norm, k_norm: head_dim weights, or null), and v copied into the cache: one launch
+// instead of two norms, two RoPEs and two copies. Token t of the batch (blockIdx.y) sits at
+// position pos[t] and writes cache row slot[t] (its sequence's block and offset in the paged
+// pool); both are read on the device so that a captured decode graph replays with new ones.
+// The first blocks give a warp to each head (the norm needs the whole head; the rotation
+// reads it from shared memory), the rest a thread to each v element.
+#define ROPE_WARPS 4
+
+extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
+    rope_qk_append(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                   __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_head, int n_head_kv,
+                   int head_dim, int dv, int n_dims, const int* __restrict__ pos, const int* __restrict__ slot,
+                   float base, float freq_scale, const float* __restrict__ freq_factors, int halves,
+                   const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps) {
     // The batch arrays were copied before the step began: read them before waiting for
     // the previous kernel.
     const int t = blockIdx.y, p = pos[t];
     const size_t cache_row = (size_t)slot[t];
     PDL_WAIT();
+    const int head_blocks = (n_head + n_head_kv + ROPE_WARPS - 1) / ROPE_WARPS;
+    if ((int)blockIdx.x >= head_blocks) {
+        const int v_n = n_head_kv * dv;
+        const int i = (blockIdx.x - head_blocks) * blockDim.x + threadIdx.x;
+        if (i < v_n) v_cache[cache_row * v_n + i] = __float2half(v[(size_t)t * v_n + i]);
+        return;
+    }
+    __shared__ float hs[ROPE_WARPS][256];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int hw = blockIdx.x * ROPE_WARPS + warp;
+    if (hw >= n_head + n_head_kv) return;
+    const bool is_q = hw < n_head;
+    const int h = is_q ? hw : hw - n_head;
+    const float* src = is_q ? q + ((size_t)t * n_head + h) * head_dim : k + ((size_t)t * n_head_kv + h) * head_dim;
+    const float* w = is_q ? q_norm : k_norm;
+    float* sh = hs[warp];
+    // The sum of squares in rms_norm_inplace_f32's order (256 threads, one element each:
+    // 32-element warp sums, then their sum across a warp), so that the fused norm gives
+    // the separate kernel's values bit for bit: lane j ends with chunk j's sum.
+    float part = 0.0f;
+    for (int d0 = 0; d0 < head_dim; d0 += WARP_SIZE) {
+        const float x = src[d0 + lane];
+        sh[d0 + lane] = x;
+        const float c = warp_sum(x * x);
+        if (lane == d0 / WARP_SIZE) part = c;
+    }
+    if (w) {
+        // As rms_norm_inplace_f32: x * (1 / sqrt(mean(x^2) + eps)) * w.
+        const float scale = rsqrtf(warp_sum(part) / head_dim + eps);
+        for (int d = lane; d < head_dim; d += WARP_SIZE) sh[d] = sh[d] * scale * w[d];
+    }
+    __syncwarp();
     const int half = n_dims / 2;
-    const int q_pairs = n_head * half, k_pairs = n_head_kv * half;
-    const int k_rest = n_head_kv * (head_dim - n_dims), v_n = n_head_kv * dv;
-    q += (size_t)t * n_head * head_dim;
-    k += (size_t)t * n_head_kv * head_dim;
-    v += (size_t)t * v_n;
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    __half* k_row = k_cache + cache_row * n_head_kv * head_dim;
-    if (idx < q_pairs) {
-        float* qh = q + (size_t)(idx / half) * head_dim;
+    float* qh = is_q ? q + ((size_t)t * n_head + h) * head_dim : nullptr;
+    __half* kh = is_q ? nullptr : k_cache + (cache_row * n_head_kv + h) * head_dim;
+    for (int i = lane; i < half; i += WARP_SIZE) {
         float a, b;
-        rotate(qh, idx % half, half, n_dims, p, base, freq_scale, freq_factors, halves, a, b);
-        const int i = idx % half;
-        qh[halves ? i : 2 * i] = a;
-        qh[halves ? i + half : 2 * i + 1] = b;
-        return;
+        rotate(sh, i, half, n_dims, p, base, freq_scale, freq_factors, halves, a, b);
+        const int ia = halves ? i : 2 * i, ib = halves ? i + half : 2 * i + 1;
+        if (is_q) {
+            qh[ia] = a;
+            qh[ib] = b;
+        } else {
+            kh[ia] = __float2half(a);
+            kh[ib] = __float2half(b);
+        }
     }
-    idx -= q_pairs;
-    if (idx < k_pairs) {
-        const int h = idx / half, i = idx % half;
-        float a, b;
-        rotate(k + (size_t)h * head_dim, i, half, n_dims, p, base, freq_scale, freq_factors, halves, a, b);
-        k_row[(size_t)h * head_dim + (halves ? i : 2 * i)] = __float2half(a);
-        k_row[(size_t)h * head_dim + (halves ? i + half : 2 * i + 1)] = __float2half(b);
-        return;
-    }
-    idx -= k_pairs;
-    if (idx < k_rest) {
-        const int rest = head_dim - n_dims;
-        const int h = idx / rest, e = n_dims + idx % rest;
-        k_row[(size_t)h * head_dim + e] = __float2half(k[(size_t)h * head_dim + e]);
-        return;
-    }
-    idx -= k_rest;
-    if (idx < v_n) {
-        v_cache[cache_row * v_n + idx] = __float2half(v[idx]);
+    for (int e = n_dims + lane; e < head_dim; e += WARP_SIZE) {
+        if (is_q) {
+            qh[e] = sh[e];
+        } else {
+            kh[e] = __float2half(sh[e]);
+        }
     }
 }

@@ -93,7 +93,6 @@ impl LayerOps for DecodePass<'_> {
                 (&l.wv, &mut s.v, l.bv.as_ref()),
             ],
         )?;
-        qk_norms(dev, l, &mut s.q, &mut s.k, rows, self.hp.rms_eps)?;
         let (pos, slots) = (s.meta.pos(), s.meta.slots());
         ops::rope_qk_append(
             dev,
@@ -104,6 +103,7 @@ impl LayerOps for DecodePass<'_> {
             &mut self.v_cache[li],
             &l.attn,
             &l.rope,
+            qk_norms(l, self.hp.rms_eps),
             &pos,
             &slots,
             rows,
@@ -229,41 +229,30 @@ impl LayerOps for DecodePass<'_> {
     }
 }
 
-/// Biases and QK-norms of `n` tokens' q, k, v, where the architecture has them.
-pub(super) fn qk_extras(
+/// The biases of `n` tokens' q, k, v, where the architecture has them.
+pub(super) fn qkv_biases(
     dev: &CudaDevice,
     l: &GpuLayer,
     q: &mut CudaSlice<f32>,
     k: &mut CudaSlice<f32>,
     v: &mut CudaSlice<f32>,
     n: usize,
-    eps: f32,
 ) -> Result<(), CudaError> {
     for (b, y) in [(&l.bq, &mut *q), (&l.bk, &mut *k), (&l.bv, &mut *v)] {
         if let Some(b) = b {
             ops::add_bias(dev, y, b, n * b.len())?;
         }
     }
-    qk_norms(dev, l, q, k, n, eps)
+    Ok(())
 }
 
-/// The QK-norms of `n` tokens' q and k, where the architecture has them.
-fn qk_norms(
-    dev: &CudaDevice,
-    l: &GpuLayer,
-    q: &mut CudaSlice<f32>,
-    k: &mut CudaSlice<f32>,
-    n: usize,
-    eps: f32,
-) -> Result<(), CudaError> {
-    let (nh, nkv) = (l.attn.n_head, l.attn.n_head_kv);
-    if let Some(w) = &l.q_norm {
-        ops::rms_norm_inplace(dev, q, w, n * nh, eps)?;
+/// A layer's QK-norms, for rope_qk_append.
+pub(super) fn qk_norms(l: &GpuLayer, eps: f32) -> ops::QkNorms<'_> {
+    ops::QkNorms {
+        q: l.q_norm.as_ref(),
+        k: l.k_norm.as_ref(),
+        eps,
     }
-    if let Some(w) = &l.k_norm {
-        ops::rms_norm_inplace(dev, k, w, n * nkv, eps)?;
-    }
-    Ok(())
 }
 
 /// The output head of `rows` tokens: `x + o` (o when given) into `x_out`, the final norm,

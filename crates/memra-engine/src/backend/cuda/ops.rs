@@ -194,10 +194,19 @@ impl PagedKv<'_> {
     }
 }
 
-/// RoPE on `q` (in place) and `k` for `n_tok` tokens, token `t` at position `pos[t]`, then
-/// `k` and `v` into pool row `slot[t]`. `q`: n_tok x n_head x head_dim, `k`: n_tok x
-/// n_head_kv x head_dim, `v` likewise; `pos` and `slot` are `n_tok` i32 on the device (a
-/// graph replays them), each slot below `pool_slots`.
+/// The QK-norms of a layer, where its architecture has them: RMS norms of each q and k
+/// head (head_dim weights each) before RoPE.
+#[derive(Clone, Copy)]
+pub struct QkNorms<'a> {
+    pub q: Option<&'a CudaSlice<f32>>,
+    pub k: Option<&'a CudaSlice<f32>>,
+    pub eps: f32,
+}
+
+/// The QK-norms (if any) and RoPE on `q` (in place) and `k` for `n_tok` tokens, token `t`
+/// at position `pos[t]`, then `k` and `v` into pool row `slot[t]`. `q`: n_tok x n_head x
+/// head_dim, `k`: n_tok x n_head_kv x head_dim, `v` likewise; `pos` and `slot` are `n_tok`
+/// i32 on the device (a graph replays them), each slot below `pool_slots`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_qk_append(
     dev: &CudaDevice,
@@ -208,6 +217,7 @@ pub fn rope_qk_append(
     v_cache: &mut CudaSlice<f16>,
     shape: &AttentionShape,
     r: &DeviceRope,
+    norms: QkNorms,
     pos: &CudaView<i32>,
     slot: &CudaView<i32>,
     n_tok: usize,
@@ -220,22 +230,31 @@ pub fn rope_qk_append(
             && v.len() >= n_tok * nkv * dk
             && k_cache.len() >= pool_slots * nkv * dk
             && v_cache.len() >= pool_slots * nkv * dk
+            && dk <= 256
+            && dk % 32 == 0
             && r.n_dims <= dk
             && r.n_dims % 2 == 0
+            && norms.q.is_none_or(|w| w.len() == dk)
+            && norms.k.is_none_or(|w| w.len() == dk)
             && pos.len() >= n_tok
             && slot.len() >= n_tok,
         "rope_qk_append: shapes",
     )?;
     let f = dev.function("rope", "rope_qk_append")?;
-    let half = r.n_dims / 2;
-    let n = nh * half + nkv * half + nkv * (dk - r.n_dims) + nkv * dk;
+    // ROPE_WARPS heads a block of 128 threads, then a thread per v element.
+    const ROPE_WARPS: usize = 4;
+    let blocks = (nh + nkv).div_ceil(ROPE_WARPS) + (nkv * dk).div_ceil(128);
     let ints = [nh, nkv, dk, dk, r.n_dims].map(|v| v as i32);
     let halves = i32::from(r.halves);
     let null: u64 = 0;
-    let mut cfg = grid_1d(n);
-    cfg.grid_dim.1 = n_tok as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, n_tok as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: the caller keeps every slot below pool_slots, the pool length checked above;
-    // every other index is within the shapes checked.
+    // every other index is within the shapes checked (heads of at most 256, the kernel's
+    // shared rows).
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
         b.arg(q).arg(k).arg(v).arg(k_cache).arg(v_cache);
@@ -247,7 +266,14 @@ pub fn rope_qk_append(
             Some(ff) => b.arg(ff),
             None => b.arg(&null),
         };
-        b.arg(&halves).launch(cfg)?;
+        b.arg(&halves);
+        for w in [norms.q, norms.k] {
+            match w {
+                Some(w) => b.arg(w),
+                None => b.arg(&null),
+            };
+        }
+        b.arg(&norms.eps).launch(cfg)?;
     }
     Ok(())
 }
@@ -436,6 +462,18 @@ pub fn attention_combine_f16(
     Ok(())
 }
 
+/// The prompt attention kernel's chooser: the tensor-core kernel for heads of up to
+/// MAX_TC_PROMPT_HEAD_DIM dimensions (its accumulators for a 16-row fragment of a 256-wide
+/// head would not fit a thread's registers), the CUDA-core one above and where
+/// `MEMRA_TC_PROMPT_ATTENTION=0` asks for it (to measure).
+const MAX_TC_PROMPT_HEAD_DIM: usize = 128;
+
+fn prompt_attention_on_tensor_cores(head_dim: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    head_dim <= MAX_TC_PROMPT_HEAD_DIM
+        && *ON.get_or_init(|| std::env::var("MEMRA_TC_PROMPT_ATTENTION").map_or(true, |v| v != "0"))
+}
+
 /// Prompt attention for the chunks of `kv.n_seqs` sequences: sequence `s` has the queries
 /// (rows of `q`) `q_start[s]..q_start[s + 1]`, at its last positions (the pool already holds
 /// their keys and values); `longest` is the most queries of one sequence. `out` is f16, a
@@ -453,6 +491,25 @@ pub fn attention_prefill(
     n_q: usize,
     longest: usize,
 ) -> Result<(), CudaError> {
+    let tc = prompt_attention_on_tensor_cores(s.head_dim_k);
+    attention_prefill_on(dev, s, q, k_cache, v_cache, out, q_start, kv, n_q, longest, tc)
+}
+
+/// attention_prefill on the kernel chosen by the caller (the test runs both).
+#[allow(clippy::too_many_arguments)]
+fn attention_prefill_on(
+    dev: &CudaDevice,
+    s: &AttentionShape,
+    q: &CudaSlice<f32>,
+    k_cache: &CudaSlice<f16>,
+    v_cache: &CudaSlice<f16>,
+    out: &mut CudaSlice<f16>,
+    q_start: &CudaView<i32>,
+    kv: &PagedKv,
+    n_q: usize,
+    longest: usize,
+    tensor_cores: bool,
+) -> Result<(), CudaError> {
     check_shape(s)?;
     let ints = kv.kernel_ints(s, k_cache, v_cache)?;
     let d = s.head_dim_k;
@@ -463,32 +520,65 @@ pub fn attention_prefill(
             && longest <= n_q,
         "attention_prefill: shapes",
     )?;
-    let name = match d {
-        32 => "attn_prefill_d32",
-        64 => "attn_prefill_d64",
-        128 => "attn_prefill_d128",
-        _ => "attn_prefill_d256",
+    let cfg = if tensor_cores && d <= MAX_TC_PROMPT_HEAD_DIM {
+        // attn_prefill_tc: blocks of TC_ROWS (query, head) rows of one KV head; two stages
+        // of a key and a value tile, TC_KEYS rows of d + 8 halves each.
+        const TC_ROWS: usize = 64;
+        const TC_KEYS: usize = 64;
+        let name = match d {
+            32 => "attn_prefill_tc_d32",
+            64 => "attn_prefill_tc_d64",
+            _ => "attn_prefill_tc_d128",
+        };
+        let f = dev.function("attention", name)?;
+        let smem = 2 * 2 * TC_KEYS * (d + 8) * 2;
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let group = s.n_head / s.n_head_kv;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (longest * group).div_ceil(TC_ROWS) as u32,
+                s.n_head_kv as u32,
+                kv.n_seqs as u32,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        (f, cfg)
+    } else {
+        let name = match d {
+            32 => "attn_prefill_d32",
+            64 => "attn_prefill_d64",
+            128 => "attn_prefill_d128",
+            _ => "attn_prefill_d256",
+        };
+        let f = dev.function("attention", name)?;
+        // Shared memory: the query tile (32 x d f32), a key tile (32 rows of d/2 + 1 words)
+        // and a value tile (32 x d/2 words); see attn_prefill.
+        const QUERIES_PER_BLOCK: usize = 32;
+        let smem = 4 * (QUERIES_PER_BLOCK * d + 32 * (d / 2 + 1) + 32 * d / 2);
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                longest.div_ceil(QUERIES_PER_BLOCK) as u32,
+                s.n_head as u32,
+                kv.n_seqs as u32,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        (f, cfg)
     };
-    let f = dev.function("attention", name)?;
-    // Shared memory: the query tile (32 x d f32), a key tile (32 rows of d/2 + 1 words) and
-    // a value tile (32 x d/2 words); see attn_prefill.
-    const QUERIES_PER_BLOCK: usize = 32;
-    let smem = 4 * (QUERIES_PER_BLOCK * d + 32 * (d / 2 + 1) + 32 * d / 2);
-    if smem > 48 * 1024 {
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )?;
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (
-            longest.div_ceil(QUERIES_PER_BLOCK) as u32,
-            s.n_head as u32,
-            kv.n_seqs as u32,
-        ),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
+    let (f, cfg) = cfg;
     // SAFETY: shapes checked above; the caller keeps q_start within the n_q rows, each
     // context length within its sequence's blocks and every block below the pool's.
     unsafe {
@@ -871,6 +961,9 @@ mod tests {
             (8, 8, 32, 0, 33, 0),
             (32, 8, 128, 0, 1, 0),
             (6, 2, 128, 1000, 40, 100),
+            // Several row tiles of the tensor-core kernel, windows across its key tiles.
+            (16, 2, 128, 130, 300, 0),
+            (8, 2, 64, 37, 200, 70),
         ] {
             let row = nkv * d;
             let shape = AttentionShape {
@@ -953,28 +1046,51 @@ mod tests {
                 .stream
                 .clone_htod(&[0, seqs[0].1 as i32, total_q as i32])
                 .unwrap();
-            let mut out = dev.stream.alloc_zeros::<f16>(total_q * nh * d).unwrap();
-            attention_prefill(
-                &dev,
-                &shape,
-                &qd,
-                &kd,
-                &vd,
-                &mut out,
-                &q_start.slice(..),
-                &kv,
-                total_q,
-                seqs[0].1,
-            )
-            .unwrap();
-            let got: Vec<f32> = dev
-                .stream
-                .clone_dtoh(&out)
-                .unwrap()
-                .iter()
-                .map(|v| v.to_f32())
-                .collect();
-            close(&got, &want_prefill, "prefill");
+            // Both kernels where the tensor-core one takes the head. It rounds the queries and
+            // the probabilities to f16, so its bound is looser: 3e-3 of the value, at least
+            // 1e-3 (a value is at most 2).
+            for tc in [false, true] {
+                if tc && d > MAX_TC_PROMPT_HEAD_DIM {
+                    continue;
+                }
+                let mut out = dev.stream.alloc_zeros::<f16>(total_q * nh * d).unwrap();
+                attention_prefill_on(
+                    &dev,
+                    &shape,
+                    &qd,
+                    &kd,
+                    &vd,
+                    &mut out,
+                    &q_start.slice(..),
+                    &kv,
+                    total_q,
+                    seqs[0].1,
+                    tc,
+                )
+                .unwrap();
+                let got: Vec<f32> = dev
+                    .stream
+                    .clone_dtoh(&out)
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect();
+                if !tc {
+                    close(&got, &want_prefill, "prefill");
+                    continue;
+                }
+                let mut worst = 0f32;
+                for (i, (g, w)) in got.iter().zip(&want_prefill).enumerate() {
+                    let err = (g - w).abs() / w.abs().max(1.0 / 3.0);
+                    worst = worst.max(err);
+                    assert!(
+                        err <= 3e-3,
+                        "tensor-core prefill {nh}/{nkv} d{d} p0 {p0} n {n_q} w {window}: \
+                         element {i}: {g} vs {w}"
+                    );
+                }
+                eprintln!("tensor-core prefill {nh}/{nkv} d{d} n {n_q} w {window}: worst {worst:.2e}");
+            }
             // Decode of each sequence's last query together, at every split count it could get.
             let ql = dev.stream.clone_htod(&q_last).unwrap();
             let mut part_o = dev

@@ -15,7 +15,7 @@ use super::buffers::MAX_BATCH;
 use super::buffers::{
     gemm_chunk_rows, BatchBuffers, StepBuffers, Widths, GEMM_SCRATCH, MAX_MATVEC_ROWS,
 };
-use super::decode::{moe_ffn, output_logits, qk_extras};
+use super::decode::{moe_ffn, output_logits, qk_norms, qkv_biases};
 use super::experts;
 use super::gemm::Gemm;
 use super::ops;
@@ -159,7 +159,7 @@ impl LayerOps for PromptPass<'_> {
             self.linear(&l.wv, Out::V)?;
         }
         let bb = &mut *self.bb;
-        qk_extras(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n, self.hp.rms_eps)?;
+        qkv_biases(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n)?;
         let (pos, slots) = (bb.meta.pos(), bb.meta.slots());
         ops::rope_qk_append(
             dev,
@@ -170,6 +170,7 @@ impl LayerOps for PromptPass<'_> {
             &mut self.v_cache[li],
             &l.attn,
             &l.rope,
+            qk_norms(l, self.hp.rms_eps),
             &pos,
             &slots,
             n,
