@@ -55,7 +55,12 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
 #define DECODE_WARPS 2
 #define DECODE_BLOCK 16  // positions per KV block the decode kernel takes (bs_log2 == 4)
 
-// Decode: block (kv head, split) takes its share of keys for all query heads of the group.
+// Decode: block (kv head and head share, split) takes its share of keys for its share of
+// the query heads of the group: gridDim.x is n_head_kv x the shares (the host's choice,
+// `decode_grid_x`; a graph rewrites it with the split count), a share ceil(group / shares)
+// heads. Fewer heads per warp is less serial work per warp: at short contexts the kernel is
+// one warp's instruction latency (8 query heads a warp took 2,800 instructions for 4 keys,
+// 18 us under Nsight Compute on the 30B-A3B).
 // Each lane scores one key per 32-key step (its whole row: no reduction across lanes), the
 // warp updates its running softmax per head once per step, then accumulates the values
 // with the lanes spread over the head's dimensions. The block's warps merge in shared
@@ -73,8 +78,11 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                                             const int* __restrict__ block_tables, int max_blocks, int bs_log2,
                                             int n_head, int n_head_kv, int window, float scale, int n_split) {
     constexpr int E = HeadSplit<D>::per_lane;
-    const int kvh = blockIdx.x, split = blockIdx.y, seq = blockIdx.z;
-    const int group = n_head / n_head_kv;
+    const int split = blockIdx.y, seq = blockIdx.z;
+    const int group = n_head / n_head_kv, shares = gridDim.x / n_head_kv;
+    const int kvh = blockIdx.x / shares, per_share = (group + shares - 1) / shares;
+    const int g0 = (blockIdx.x % shares) * per_share;  // the share's first head in the group
+    const int gn = max(0, min(group, g0 + per_share) - g0);  // and its count
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int n_kv = ctx_len[seq];
     const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
@@ -108,17 +116,17 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     __shared__ float qs[MAX_GROUP][D];
     {
         constexpr int QN = MAX_GROUP * D / (DECODE_WARPS * WARP_SIZE);
-        const float* qg = q + (size_t)kvh * group * D;
+        const float* qg = q + ((size_t)kvh * group + g0) * D;
         float qv[QN];
 #pragma unroll
         for (int j = 0; j < QN; ++j) {
             const int i = threadIdx.x + j * DECODE_WARPS * WARP_SIZE;
-            qv[j] = i < group * D ? qg[i] : 0.0f;
+            qv[j] = i < gn * D ? qg[i] : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < QN; ++j) {
             const int i = threadIdx.x + j * DECODE_WARPS * WARP_SIZE;
-            if (i < group * D) qs[i / D][i % D] = qv[j] * scale;
+            if (i < gn * D) qs[i / D][i % D] = qv[j] * scale;
         }
     }
     __syncthreads();
@@ -174,7 +182,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                 load_halves<8>(kr + d, kv);
 #pragma unroll
                 for (int g = 0; g < MAX_GROUP; ++g) {
-                    if (g < group) {
+                    if (g < gn) {
 #pragma unroll
                         for (int i = 0; i < 8; ++i) s[g] += qs[g][d + i] * kv[i];
                     }
@@ -184,7 +192,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
         const int n_valid = min(WARP_SIZE, end - base);
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; ++g) {
-            if (g >= group) break;
+            if (g >= gn) break;
             float mx = valid ? s[g] : -INFINITY;
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
@@ -214,7 +222,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                 }
 #pragma unroll
                 for (int g = 0; g < MAX_GROUP; ++g) {
-                    if (g >= group) break;
+                    if (g >= gn) break;
                     const float p = __shfl_sync(0xffffffff, s[g], j);
 #pragma unroll
                     for (int e = 0; e < E; ++e) o[g][e] += p * vv[e];
@@ -228,7 +236,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                 load_halves<E>(v_cache + STEP_SLOT(j) * row + (size_t)kvh * D + lane * E, vv);
 #pragma unroll
                 for (int g = 0; g < MAX_GROUP; ++g) {
-                    if (g >= group) break;
+                    if (g >= gn) break;
                     const float p = __shfl_sync(0xffffffff, s[g], j);
 #pragma unroll
                     for (int e = 0; e < E; ++e) o[g][e] += p * vv[e];
@@ -245,7 +253,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     __shared__ float so[DECODE_WARPS][MAX_GROUP][D];
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) {
-        if (g >= group) break;
+        if (g >= gn) break;
         if (lane == 0) {
             sm[warp][g][0] = m[g];
             sm[warp][g][1] = l[g];
@@ -254,7 +262,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
         for (int e = 0; e < E; ++e) so[warp][g][lane * E + e] = o[g][e];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    for (int i = threadIdx.x; i < gn * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
         float mx = -INFINITY;
         for (int w = 0; w < DECODE_WARPS; ++w) mx = fmaxf(mx, sm[w][g][0]);
@@ -264,7 +272,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
             acc += c * so[w][g][d];
             sum += c * sm[w][g][1];
         }
-        const int h = kvh * group + g;
+        const int h = kvh * group + g0 + g;
         part_o[((size_t)split * n_head + h) * D + d] = acc;
         if (d == 0) {
             part_ml[((size_t)split * n_head + h) * 2] = mx;

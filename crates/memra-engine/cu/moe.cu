@@ -4,6 +4,16 @@
 
 #define MAX_USED 16
 
+// A float as an unsigned integer of the same order (negative values flipped whole,
+// non-negative ones above them; -0 taken as +0, which compare equal), and back.
+__device__ __forceinline__ uint32_t ordered_key(float f) {
+    const uint32_t u = __float_as_uint(f == 0.0f ? 0.0f : f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_ordered_key(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 // Per token (one warp each): softmax over the router's n_exp logits, the n_used most
 // probable experts (ties: the lower index, as the CPU engine sorts), their probabilities
 // renormalized to sum to one when `normalize`. ids, weights: n_tok x n_used.
@@ -33,15 +43,11 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
                 at = i;
             }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float b = __shfl_xor_sync(0xffffffff, best, o);
-            const int a = __shfl_xor_sync(0xffffffff, at, o);
-            if (b > best || (b == best && a < at)) {
-                best = b;
-                at = a;
-            }
-        }
+        // The warp's best by two reductions (sm_80's redux) instead of ten shuffles: the
+        // largest logit as an order-preserving integer, then the lowest index holding it.
+        const uint32_t mk = __reduce_max_sync(0xffffffff, ordered_key(best));
+        at = (int)__reduce_min_sync(0xffffffff, ordered_key(best) == mk ? (uint32_t)at : 0x7fffffffu);
+        best = from_ordered_key(mk);
         if (at % WARP_SIZE == lane) taken |= 1u << (at / WARP_SIZE);
         chosen_i[k] = at;
         chosen_p[k] = expf(best - mx) / sum;

@@ -26,6 +26,8 @@ use super::CudaError;
 /// index of `n_split`.
 const DECODE_ARGS: usize = 14;
 const DECODE_SPLIT_ARG: usize = 13;
+/// The decode kernel's `n_head` and `n_head_kv` (its grid.x follows the split count).
+const DECODE_HEADS_ARGS: [usize; 2] = [9, 10];
 const COMBINE_ARGS: usize = 10;
 const COMBINE_SPLIT_ARG: usize = 9;
 
@@ -171,6 +173,10 @@ impl DecodeGraph {
                 params.kernelParams = args.as_mut_ptr();
                 if grid_y {
                     params.gridDimY = n_split as u32;
+                    // SAFETY: the captured arguments at these indices are the i32 head counts.
+                    let [nh, nkv] = DECODE_HEADS_ARGS.map(|i| unsafe { *(args[i] as *const i32) });
+                    params.gridDimX =
+                        super::ops::decode_grid_x(nh as usize, nkv as usize, n_split, 1) as u32;
                 }
                 // SAFETY: same kernel, same topology; the arguments are read during the call.
                 unsafe {

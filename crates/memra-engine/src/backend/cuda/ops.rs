@@ -291,8 +291,41 @@ pub fn decode_splits(n_kv: usize) -> usize {
     n_kv.div_ceil(KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
 
+/// Query heads a decode attention block takes (of its KV head's group) while the launch
+/// has few blocks: fewer is less serial work per warp, which is what a short context's
+/// step costs (H200: qwen3-30b-a3b tg128 287.6 -> 321.5 t/s from 8 heads to 2, llama3-8b
+/// 360.5 -> 371.6), but it reads the same keys once per share (llama3-8b tg128 @ d4096,
+/// 520 blocks: 337.4 -> 306.8). `MEMRA_DECODE_HEADS_PER_BLOCK` sets it, to measure.
+const DECODE_HEADS_PER_BLOCK: usize = 2;
+/// From this many blocks (KV heads x splits x sequences, about the H200's 132 SMs) the
+/// launch fills the GPU without sharing out the heads, and each block takes its group.
+const DECODE_SHARED_HEADS_BELOW_BLOCKS: usize = 128;
+
+fn decode_heads_per_block() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MEMRA_DECODE_HEADS_PER_BLOCK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n >= 1)
+            .unwrap_or(DECODE_HEADS_PER_BLOCK)
+    })
+}
+
+/// The decode attention's grid.x: n_head_kv times the shares each group's query heads
+/// are dealt into (the kernel derives a share's heads from it).
+pub fn decode_grid_x(n_head: usize, n_head_kv: usize, n_split: usize, n_seqs: usize) -> usize {
+    let group = n_head / n_head_kv;
+    let shares = if n_head_kv * n_split * n_seqs >= DECODE_SHARED_HEADS_BELOW_BLOCKS {
+        1
+    } else {
+        group.div_ceil(decode_heads_per_block())
+    };
+    n_head_kv * shares
+}
+
 /// Decode attention, first half, for one query of each of `kv.n_seqs` sequences: block
-/// (kv head, split, sequence) writes its partial result for the query heads of its group
+/// (kv head and share of its query heads, split, sequence) writes its partial result for the query heads of its group
 /// into `part_o` (sequences x n_split x n_head x head_dim) and `part_ml` (sequences x
 /// n_split x n_head x 2). `q` is sequences x n_head x head_dim.
 #[allow(clippy::too_many_arguments)]
@@ -325,7 +358,11 @@ pub fn attention_decode(
     let f = dev.function("attention", decode_kernel(s.head_dim_k))?;
     // Two warps (DECODE_WARPS in attention.cu).
     let cfg = LaunchConfig {
-        grid_dim: (s.n_head_kv as u32, n_split as u32, n as u32),
+        grid_dim: (
+            decode_grid_x(s.n_head, s.n_head_kv, n_split, n) as u32,
+            n_split as u32,
+            n as u32,
+        ),
         block_dim: (64, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -492,7 +529,9 @@ pub fn attention_prefill(
     longest: usize,
 ) -> Result<(), CudaError> {
     let tc = prompt_attention_on_tensor_cores(s.head_dim_k);
-    attention_prefill_on(dev, s, q, k_cache, v_cache, out, q_start, kv, n_q, longest, tc)
+    attention_prefill_on(
+        dev, s, q, k_cache, v_cache, out, q_start, kv, n_q, longest, tc,
+    )
 }
 
 /// attention_prefill on the kernel chosen by the caller (the test runs both).
@@ -1089,7 +1128,9 @@ mod tests {
                          element {i}: {g} vs {w}"
                     );
                 }
-                eprintln!("tensor-core prefill {nh}/{nkv} d{d} n {n_q} w {window}: worst {worst:.2e}");
+                eprintln!(
+                    "tensor-core prefill {nh}/{nkv} d{d} n {n_q} w {window}: worst {worst:.2e}"
+                );
             }
             // Decode of each sequence's last query together, at every split count it could get.
             let ql = dev.stream.clone_htod(&q_last).unwrap();
