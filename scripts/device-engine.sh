@@ -46,6 +46,14 @@ grep -E "^test |test result|panicked|preemptions|sequences' decode| us\)" "$out/
 printf 'Hello there\nAnd again\n' | .device/memra chat -m .device/tiny/tiny-llama.gguf -n 8 --temp 0 --template chatml \
   --device cuda >>"$out/clients.log" 2>&1 && echo "chat --device cuda: ok" \
   || { echo "chat --device cuda: FAILED"; status=1; }
+# The replayed decode graph against eager steps over 1,200 greedy tokens: the decode
+# attention's grid changes with the split count (heads dealt into shares below 128 blocks;
+# llama3-1b's 8 KV heads cross that at 16 splits, 1,024 positions).
+.device/memra run -m "$q4km" --device cuda --temp 0 -n 1200 -p "Once upon a time" >/tmp/graph1.txt 2>/dev/null
+MEMRA_CUDA_GRAPH=0 .device/memra run -m "$q4km" --device cuda --temp 0 -n 1200 -p "Once upon a time" \
+  >/tmp/graph0.txt 2>/dev/null
+cmp -s /tmp/graph1.txt /tmp/graph0.txt && echo "decode graph = eager steps over 1,200 tokens" \
+  || { echo "decode graph and eager steps DIFFER over 1,200 tokens"; status=1; }
 f8=$(synth llama3-8b q4_k_m)
 .device/memra bench -m "$f8" -p 512 -n 128 -d 0,4096 -r 3 --device cuda 2>"$out/bench.log" | tee "$out/bench.md"
 .device/memra bench --batched -m "$f8" -npp 128 -ntg 128 -npl 1,12,16,32,64,256 --device cuda 2>"$out/batched.log" \
