@@ -325,8 +325,8 @@ pub fn decode_grid_x(n_head: usize, n_head_kv: usize, n_split: usize, n_seqs: us
 }
 
 /// Decode attention, first half, for one query of each of `kv.n_seqs` sequences: block
-/// (kv head and share of its query heads, split, sequence) writes its partial result for the query heads of its group
-/// into `part_o` (sequences x n_split x n_head x head_dim) and `part_ml` (sequences x
+/// (kv head and share of its query heads, split, sequence) writes its partial result for
+/// that share of the group's query heads into `part_o` (sequences x n_split x n_head x head_dim) and `part_ml` (sequences x
 /// n_split x n_head x 2). `q` is sequences x n_head x head_dim.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode(
@@ -559,7 +559,7 @@ fn attention_prefill_on(
             && longest <= n_q,
         "attention_prefill: shapes",
     )?;
-    let cfg = if tensor_cores && d <= MAX_TC_PROMPT_HEAD_DIM {
+    let (f, cfg) = if tensor_cores && d <= MAX_TC_PROMPT_HEAD_DIM {
         // attn_prefill_tc: blocks of TC_ROWS (query, head) rows of one KV head; two stages
         // of a key and a value tile, TC_KEYS rows of d + 8 halves each.
         const TC_ROWS: usize = 64;
@@ -617,7 +617,6 @@ fn attention_prefill_on(
         };
         (f, cfg)
     };
-    let (f, cfg) = cfg;
     // SAFETY: shapes checked above; the caller keeps q_start within the n_q rows, each
     // context length within its sequence's blocks and every block below the pool's.
     unsafe {
