@@ -17,55 +17,81 @@ __device__ __forceinline__ float from_ordered_key(uint32_t k) {
 // Per token (one warp each): softmax over the router's n_exp logits, the n_used most
 // probable experts (ties: the lower index, as the CPU engine sorts), their probabilities
 // renormalized to sum to one when `normalize`. ids, weights: n_tok x n_used.
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ ids,
-                                     float* __restrict__ weights, int n_exp, int n_used, int normalize) {
-    PDL_WAIT();
+// A lane holds logits lane, lane + 32, ... (NPL of them, n_exp <= 32 * NPL) in registers as
+// order-preserving keys, all loaded at once; each pick is two warp reductions (sm_80's
+// redux: the largest key, then the lowest index holding it), and lane k keeps pick k.
+// The earlier kernel reread the logits from memory in every pass and kept its picks in a
+// dynamically indexed (local memory) array: 1,558 instructions at 7.9 cycles apart, 8 us
+// under Nsight Compute for one token of the 30B-A3B.
+template <int NPL>
+__device__ __forceinline__ void moe_route_warp(const float* __restrict__ logits, int* __restrict__ ids,
+                                               float* __restrict__ weights, int n_exp, int n_used, int normalize) {
     const int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (size_t)t * n_exp;
+    float v[NPL];
+#pragma unroll
+    for (int j = 0; j < NPL; ++j) v[j] = lane + 32 * j < n_exp ? l[lane + 32 * j] : -INFINITY;
+    // Real experts' keys are at least 1, so that taken ones and padding (0) lose to every
+    // real one and an id is always below n_exp.
+    uint32_t key[NPL];
     float mx = -INFINITY;
-    for (int i = lane; i < n_exp; i += WARP_SIZE) mx = fmaxf(mx, l[i]);
+#pragma unroll
+    for (int j = 0; j < NPL; ++j) {
+        key[j] = lane + 32 * j < n_exp ? max(ordered_key(v[j]), 1u) : 0u;
+        mx = fmaxf(mx, v[j]);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
     float sum = 0.0f;
-    for (int i = lane; i < n_exp; i += WARP_SIZE) sum += expf(l[i] - mx);
+#pragma unroll
+    for (int j = 0; j < NPL; ++j) sum += lane + 32 * j < n_exp ? expf(v[j] - mx) : 0.0f;
     sum = warp_sum(sum);
-    // Pick the best remaining expert n_used times; `taken` marks chosen ones per lane slot.
-    uint32_t taken = 0;  // bit k: expert lane + 32k chosen (n_exp <= 1024)
-    float chosen_p[MAX_USED];
-    int chosen_i[MAX_USED];
-    float total = 0.0f;
+    int my_id = 0;
+    float my_logit = -INFINITY;
     for (int k = 0; k < n_used; ++k) {
-        float best = -INFINITY;
-        int at = 0x7fffffff;
-        for (int i = lane, j = 0; i < n_exp; i += WARP_SIZE, ++j) {
-            if (!((taken >> j) & 1) && (l[i] > best || (l[i] == best && i < at))) {
-                best = l[i];
-                at = i;
+        uint32_t bk = 0;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < NPL; ++j) {
+            if (key[j] > bk) {  // strictly: the lowest of a lane's equal keys
+                bk = key[j];
+                bi = lane + 32 * j;
             }
         }
-        // The warp's best by two reductions (sm_80's redux) instead of ten shuffles: the
-        // largest logit as an order-preserving integer, then the lowest index holding it.
-        const uint32_t mk = __reduce_max_sync(0xffffffff, ordered_key(best));
-        at = (int)__reduce_min_sync(0xffffffff, ordered_key(best) == mk ? (uint32_t)at : 0x7fffffffu);
-        best = from_ordered_key(mk);
-        if (at % WARP_SIZE == lane) taken |= 1u << (at / WARP_SIZE);
-        chosen_i[k] = at;
-        chosen_p[k] = expf(best - mx) / sum;
-        total += chosen_p[k];
+        const uint32_t mk = __reduce_max_sync(0xffffffff, bk);
+        const int at = (int)__reduce_min_sync(0xffffffff, bk == mk ? (uint32_t)bi : 0x7fffffffu);
+#pragma unroll
+        for (int j = 0; j < NPL; ++j) {
+            if (at == lane + 32 * j) key[j] = 0;
+        }
+        if (lane == k) {
+            my_id = at;
+            my_logit = from_ordered_key(mk);
+        }
     }
+    const float p = lane < n_used ? expf(my_logit - mx) / sum : 0.0f;
+    const float total = warp_sum(p);
     if (lane < n_used) {
-        float p = 0.0f;
-        int id = 0;
-        for (int k = 0; k < MAX_USED; ++k) {
-            if (k == lane) {
-                p = chosen_p[k];
-                id = chosen_i[k];
-            }
-        }
-        ids[(size_t)t * n_used + lane] = id;
+        ids[(size_t)t * n_used + lane] = my_id;
         weights[(size_t)t * n_used + lane] = normalize ? p / total : p;
     }
 }
+
+#define MOE_ROUTE(NPL)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE)                                                     \
+        moe_route_##NPL(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights,   \
+                        int n_exp, int n_used, int normalize) {                                                 \
+        PDL_WAIT();                                                                                             \
+        moe_route_warp<NPL>(logits, ids, weights, n_exp, n_used, normalize);                                    \
+    }
+
+// Up to 32, 64, 128, 256, 512, 1024 experts.
+MOE_ROUTE(1)
+MOE_ROUTE(2)
+MOE_ROUTE(4)
+MOE_ROUTE(8)
+MOE_ROUTE(16)
+MOE_ROUTE(32)
 
 // out[t] = sum over k of weights[t][k] * y[t][k] (y: n_tok x n_used x n); one thread per
 // output element (block row blockIdx.y is token t), the n_used loads in flight together.

@@ -478,12 +478,15 @@ MMVQ_MOE(mmvq_moe_bf16, mmvq_float<T_BF16>)
 // Experts, fused, for the block-cooperative formats: the launches of a MoE FFN go from
 // five (gate, up, activation, down, weighted sum) to two, and a warp takes whole short
 // rows (768 or 2048 weights: the block-cooperative layout left 104 or 64 of a block's 128
-// threads idle on them).
-#define MOE_WARPS 8
+// threads idle on them). 16 warps a block, each with little work: with 8, Nsight Compute
+// found both kernels bound by instruction latency (a warp issuing every 9 cycles, 0.3-0.4
+// instructions a cycle per scheduler, under 3 warps each; 13.5 us for the 30B-A3B's gate
+// and up, 13.4 for its Q6_K down).
+#define MOE_WARPS 16
 
 // Gate and up of the chosen experts, the gated activation, quantized per 32 as the down
 // products' input (slot (t, k)'s row of nrows in OQ, OD, OS): block (tile of 32 rows, slot
-// k, token t); warp w takes rows 4w..4w+3 of the tile in both matrices, its lanes the
+// k, token t); warp w takes rows 2w and 2w+1 of the tile in both matrices, its lanes the
 // rows' units of 32 weights. nrows is a multiple of 32 (the host checks).
 template <typename Unit, int T>
 __device__ __forceinline__ void moe_gate_up(const uint8_t* __restrict__ WG, const uint8_t* __restrict__ WU,
@@ -504,6 +507,11 @@ __device__ __forceinline__ void moe_gate_up(const uint8_t* __restrict__ WG, cons
     float ag[R], au[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) ag[r] = au[r] = 0.0f;
+    // Two passes' loads in flight together where a unit is small enough (Q4_K; the 30B's
+    // rows of 2,048 are exactly two passes): one pass at a time, a warp waited on memory
+    // twice. Larger units spilled at the 64 registers of two blocks an SM.
+    constexpr int PASSES = sizeof(Unit) <= 32 ? 2 : 1;
+#pragma unroll PASSES
     for (int u = lane; u < n_units; u += WARP_SIZE) {
         Unit g[R], v[R];
 #pragma unroll
@@ -531,54 +539,57 @@ __device__ __forceinline__ void moe_gate_up(const uint8_t* __restrict__ WG, cons
 }
 
 // The chosen experts' down products and their weighted sum: Y[t] = sum over k of
-// weights[t][k] * W_{ids[t][k]} . x[t][k]. Block (tile of R rows, token t); warp w takes
-// slots w, w + MOE_WARPS, ..., its lanes the units; the warps' sums meet in shared memory
-// in warp order, so a token's result depends on nothing else in the batch.
+// weights[t][k] * W_{ids[t][k]} . x[t][k]. Block (tile of R rows, token t); the warps come
+// in two halves, each taking half the tile's rows; warp w of a half takes slots w, w +
+// SLOT_WARPS, ..., its lanes the units. The warps' sums meet in shared memory in slot
+// order, so a token's result depends on nothing else in the batch.
 template <typename Unit, int T, int R>
 __device__ __forceinline__ void moe_down(const uint8_t* __restrict__ W, long long stride,
                                          const int* __restrict__ ids, const float* __restrict__ weights, int n_used,
                                          const int8_t* __restrict__ XQ, const float* __restrict__ XD,
                                          const float* __restrict__ XS, float* __restrict__ Y, int ncols,
                                          int nrows) {
+    constexpr int SLOT_WARPS = MOE_WARPS / 2, RH = R / 2;
     const int t = blockIdx.y;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int row0 = blockIdx.x * R, n_units = ncols / 32;
+    const int half = warp / SLOT_WARPS, sw = warp % SLOT_WARPS;
+    const int row0 = blockIdx.x * R, rh0 = row0 + half * RH, n_units = ncols / 32;
     const size_t row_bytes = row_bytes_of(T, ncols);
-    float acc[R];
+    float acc[RH];
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    for (int k = warp; k < n_used; k += MOE_WARPS) {
+    for (int r = 0; r < RH; ++r) acc[r] = 0.0f;
+    for (int k = sw; k < n_used; k += SLOT_WARPS) {
         const size_t slot = (size_t)t * n_used + k;
         const uint8_t* w = W + (size_t)ids[slot] * stride;
         const float wt = weights[slot];
         const int8_t* xq = XQ + slot * ncols;
         const float *xd = XD + slot * n_units, *xs = XS + slot * n_units;
         for (int u = lane; u < n_units; u += WARP_SIZE) {
-            Unit v[R];
+            Unit v[RH];
 #pragma unroll
-            for (int r = 0; r < R; ++r) v[r].load(w + (size_t)min(row0 + r, nrows - 1) * row_bytes, u);
+            for (int r = 0; r < RH; ++r) v[r].load(w + (size_t)min(rh0 + r, nrows - 1) * row_bytes, u);
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] += wt * v[r].dot(xq, xd, xs, u);
+            for (int r = 0; r < RH; ++r) acc[r] += wt * v[r].dot(xq, xd, xs, u);
         }
     }
-    __shared__ float part[MOE_WARPS][R];
+    __shared__ float part[SLOT_WARPS][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < RH; ++r) {
         const float v = warp_sum(acc[r]);
-        if (lane == 0) part[warp][r] = v;
+        if (lane == 0) part[sw][half * RH + r] = v;
     }
     __syncthreads();
     const int r = threadIdx.x;
     if (r < R && row0 + r < nrows) {
         float v = 0.0f;
 #pragma unroll
-        for (int w = 0; w < MOE_WARPS; ++w) v += part[w][r];
+        for (int w = 0; w < SLOT_WARPS; ++w) v += part[w][r];
         Y[(size_t)t * nrows + row0 + r] = v;
     }
 }
 
 #define MOE_FUSED(sfx, UNIT, T, R)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * WARP_SIZE) moe_gate_up_##sfx(                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * WARP_SIZE, 2) moe_gate_up_##sfx(                       \
         const uint8_t* __restrict__ WG, const uint8_t* __restrict__ WU, long long stride,                          \
         const int* __restrict__ ids, int n_used, const int8_t* __restrict__ XQ, const float* __restrict__ XD,      \
         const float* __restrict__ XS, int8_t* __restrict__ OQ, float* __restrict__ OD, float* __restrict__ OS,     \
@@ -586,7 +597,7 @@ __device__ __forceinline__ void moe_down(const uint8_t* __restrict__ W, long lon
         PDL_WAIT();                                                                                                 \
         moe_gate_up<UNIT, T>(WG, WU, stride, ids, n_used, XQ, XD, XS, OQ, OD, OS, ncols, nrows, gelu);             \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * WARP_SIZE) moe_down_##sfx(                            \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * WARP_SIZE, 2) moe_down_##sfx(                         \
         const uint8_t* __restrict__ W, long long stride, const int* __restrict__ ids,                              \
         const float* __restrict__ weights, int n_used, const int8_t* __restrict__ XQ,                              \
         const float* __restrict__ XD, const float* __restrict__ XS, float* __restrict__ Y, int ncols, int nrows) { \

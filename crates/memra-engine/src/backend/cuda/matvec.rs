@@ -826,7 +826,7 @@ pub fn moe_down(
 }
 
 /// Threads per block of the fused expert kernels (MOE_WARPS warps).
-const MOE_THREADS: u32 = 256;
+const MOE_THREADS: u32 = 512;
 
 #[cfg(test)]
 pub(crate) mod tests {

@@ -293,10 +293,12 @@ pub fn decode_splits(n_kv: usize) -> usize {
 
 /// Query heads a decode attention block takes (of its KV head's group) while the launch
 /// has few blocks: fewer is less serial work per warp, which is what a short context's
-/// step costs (H200: qwen3-30b-a3b tg128 287.6 -> 321.5 t/s from 8 heads to 2, llama3-8b
-/// 360.5 -> 371.6), but it reads the same keys once per share (llama3-8b tg128 @ d4096,
-/// 520 blocks: 337.4 -> 306.8). `MEMRA_DECODE_HEADS_PER_BLOCK` sets it, to measure.
-const DECODE_HEADS_PER_BLOCK: usize = 2;
+/// step costs (H200 tg128, 8 heads -> 2 -> 1: qwen3-30b-a3b 287.6 -> 321.5, then 354.8 ->
+/// 360.7 after the faster routing; llama3-8b 360.5 -> 371.6, then 373.2 -> 380.2;
+/// qwen2.5-0.5b 1,194.1 -> 1,221.2 from 2 to 1), but it reads the same keys once per
+/// share (llama3-8b tg128 @ d4096, 520 blocks: 337.4 -> 306.8 from 8 to 2).
+/// `MEMRA_DECODE_HEADS_PER_BLOCK` sets it, to measure.
+const DECODE_HEADS_PER_BLOCK: usize = 1;
 /// From this many blocks (KV heads x splits x sequences, about the H200's 132 SMs) the
 /// launch fills the GPU without sharing out the heads, and each block takes its group.
 const DECODE_SHARED_HEADS_BELOW_BLOCKS: usize = 128;
@@ -752,7 +754,16 @@ pub fn moe_route(
             && n_exp <= 1024,
         "moe_route: shapes (at most 1024 experts, 16 used)",
     )?;
-    let f = dev.function("moe", "moe_route")?;
+    // The kernel whose lanes hold enough of the logits (n_exp <= 1024, checked above).
+    let name = match n_exp.div_ceil(32) {
+        1 => "moe_route_1",
+        2 => "moe_route_2",
+        3..=4 => "moe_route_4",
+        5..=8 => "moe_route_8",
+        9..=16 => "moe_route_16",
+        _ => "moe_route_32",
+    };
+    let f = dev.function("moe", name)?;
     let cfg = blocks(n_tok, 32);
     let (ne, nu, norm) = (n_exp as i32, n_used as i32, i32::from(normalize));
     // SAFETY: shapes checked above.
@@ -1170,6 +1181,72 @@ mod tests {
                 let got = dev.stream.clone_dtoh(&outd).unwrap();
                 close(&got, &want_last, &format!("decode, {n_split} splits"));
             }
+        }
+    }
+
+    /// MoE routing against a sort on the host: random logits with exact ties (the lower
+    /// index wins, as the CPU engine sorts), -0 against +0 (equal), -inf, for every kernel
+    /// width (n_exp from 8 to 1024) and 1 to 16 experts used; shapes it refuses.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_moe_route_matches_a_sort() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 31u64;
+        let n_tok = 5;
+        for n_exp in [8usize, 33, 60, 128, 160, 300, 512, 1000, 1024] {
+            for n_used in [1usize, 2, 8, 16].into_iter().filter(|&k| k <= n_exp) {
+                for normalize in [false, true] {
+                    // Few distinct values, so that ties are common.
+                    let mut logits: Vec<f32> = (0..n_tok * n_exp)
+                        .map(|_| (lcg(&mut seed) % 41) as f32 / 8.0 - 2.5)
+                        .collect();
+                    logits[3 % n_exp] = -0.0;
+                    logits[5 % n_exp] = 0.0;
+                    logits[n_exp + 1] = f32::NEG_INFINITY;
+                    let ld = dev.stream.clone_htod(&logits).unwrap();
+                    let mut ids = dev.stream.alloc_zeros::<i32>(n_tok * n_used).unwrap();
+                    let mut wts = dev.stream.alloc_zeros::<f32>(n_tok * n_used).unwrap();
+                    moe_route(
+                        &dev, &ld, &mut ids, &mut wts, n_tok, n_exp, n_used, normalize,
+                    )
+                    .unwrap();
+                    let (ids, wts) = (
+                        dev.stream.clone_dtoh(&ids).unwrap(),
+                        dev.stream.clone_dtoh(&wts).unwrap(),
+                    );
+                    for t in 0..n_tok {
+                        let l = &logits[t * n_exp..(t + 1) * n_exp];
+                        let mut order: Vec<usize> = (0..n_exp).collect();
+                        order.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).unwrap().then(a.cmp(&b)));
+                        let mx = l.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+                        let sum: f64 = l.iter().map(|&v| (v as f64 - mx).exp()).sum();
+                        let p: Vec<f64> = order[..n_used]
+                            .iter()
+                            .map(|&i| (l[i] as f64 - mx).exp() / sum)
+                            .collect();
+                        let z: f64 = if normalize { p.iter().sum() } else { 1.0 };
+                        let what = format!("{n_exp} experts, {n_used} used, token {t}");
+                        let got: Vec<usize> = ids[t * n_used..(t + 1) * n_used]
+                            .iter()
+                            .map(|&i| i as usize)
+                            .collect();
+                        assert_eq!(got, order[..n_used], "{what}");
+                        for (k, &w) in wts[t * n_used..(t + 1) * n_used].iter().enumerate() {
+                            let want = p[k] / z;
+                            assert!(
+                                (w as f64 - want).abs() <= 1e-6 + 1e-5 * want,
+                                "{what}, pick {k}: {w} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        let ld = dev.stream.alloc_zeros::<f32>(2048).unwrap();
+        let mut ids = dev.stream.alloc_zeros::<i32>(32).unwrap();
+        let mut wts = dev.stream.alloc_zeros::<f32>(32).unwrap();
+        for (n_exp, n_used) in [(1025, 8), (128, 17), (4, 8), (128, 0)] {
+            assert!(moe_route(&dev, &ld, &mut ids, &mut wts, 1, n_exp, n_used, true).is_err());
         }
     }
 }
