@@ -417,6 +417,24 @@ struct MatvecSet {
         FN(b - first, w, XQ, XD, XS, y, bias, ncols, nrows, ntok);                                                        \
     }
 
+// The same with the set's last matrix (a layer's v) of another type, FN_B: one launch for
+// q, k and v where they are not all of one type (the decode graph's launches are its
+// cost at small batches).
+#define MMVQ_PAIR(name, FN_A, FN_B)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
+        name(MatvecSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,                            \
+             const float* __restrict__ XS, int ncols, int ntok) {                                                   \
+        PDL_WAIT();                                                                                                 \
+        const int b = blockIdx.x;                                                                                   \
+        if (b >= set.first[2]) {                                                                                    \
+            FN_B(b - set.first[2], set.w[2], XQ, XD, XS, set.y[2], set.bias[2], ncols, set.nrows[2], ntok);         \
+        } else {                                                                                                    \
+            const bool m1 = b >= set.first[1];                                                                      \
+            FN_A(b - (m1 ? set.first[1] : 0), m1 ? set.w[1] : set.w[0], XQ, XD, XS, m1 ? set.y[1] : set.y[0],       \
+                 m1 ? set.bias[1] : set.bias[0], ncols, m1 ? set.nrows[1] : set.nrows[0], ntok);                    \
+        }                                                                                                           \
+    }
+
 // Decode (one token) and batches of up to MAX_TOKENS; rows per block: the first number.
 MMVQ(mmvq_q4_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>))
 MMVQ(mmvq_q4_k_batch, (mmvq_coop<CoopQ4K, T_Q4_K, 2, MAX_TOKENS>))
@@ -440,6 +458,9 @@ MMVQ(mmvq_f32, mmvq_float<T_F32>)
 MMVQ(mmvq_f32_coop, (mmvq_coop<CoopF32, T_F32, 2, 1>))
 MMVQ(mmvq_f16, mmvq_float<T_F16>)
 MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
+MMVQ_PAIR(mmvq_q4_k_v_q6_k_r, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
+MMVQ_PAIR(mmvq_q4_k_v_q6_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), mmvq_q6_k)
+MMVQ_PAIR(mmvq_q5_0_v_q8_0, mmvq_generic<T_Q5_0>, mmvq_generic<T_Q8_0>)
 
 // Experts: block (b, k, t) computes rows of expert ids[t][k] (weights at W + id * stride)
 // for token t; its input is token t's activations (gate and up: `per_slot` 0) or the

@@ -12,7 +12,7 @@ use half::f16;
 
 use super::buffers::{MoeBuffers, StepBuffers};
 use super::matvec::{
-    mmvq, mmvq_moe, mmvq_set, moe_down, moe_fused_supported, moe_gate_up, DeviceActs,
+    mmvq, mmvq_moe, mmvq_qkv_pair, mmvq_set, moe_down, moe_fused_supported, moe_gate_up, DeviceActs,
 };
 use super::ops;
 use super::sampling::{argmax, argmax_rows};
@@ -82,7 +82,7 @@ impl LayerOps for DecodePass<'_> {
         let s = &mut *self.s;
         let e = self.hp.n_embd;
         // Biases are added by the products themselves.
-        matvecs(
+        qkv_products(
             dev,
             &s.acts,
             e,
@@ -320,6 +320,34 @@ type LayerProduct<'a> = (
     &'a mut CudaSlice<f32>,
     Option<&'a CudaSlice<f32>>,
 );
+
+/// A layer's q, k and v products: for one token in one launch where q and k share a type
+/// and a pair kernel takes v's other one ([`mmvq_qkv_pair`]), else by type.
+fn qkv_products(
+    dev: &CudaDevice,
+    acts: &DeviceActs,
+    ncols: usize,
+    rows: usize,
+    [(wq, q, bq), (wk, k, bk), (wv, v, bv)]: [LayerProduct; 3],
+) -> Result<(), CudaError> {
+    if rows == 1 && wq.ty == wk.ty && wq.ty != wv.ty {
+        let mut set = [
+            (&wq.w, &mut *q, wq.n_out, bq),
+            (&wk.w, &mut *k, wk.n_out, bk),
+            (&wv.w, &mut *v, wv.n_out, bv),
+        ];
+        if mmvq_qkv_pair(dev, (wq.ty, wv.ty), &mut set, acts, ncols)? {
+            return Ok(());
+        }
+    }
+    matvecs(
+        dev,
+        acts,
+        ncols,
+        rows,
+        [(wq, q, bq), (wk, k, bk), (wv, v, bv)],
+    )
+}
 
 /// Decode products of `N` matrices with the same input (`rows` tokens), each with its
 /// bias if any: those of one weight type share a launch (q, k and v; gate and up), so

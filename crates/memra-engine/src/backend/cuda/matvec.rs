@@ -397,14 +397,13 @@ pub type Product<'a> = (
     Option<&'a CudaSlice<f32>>,
 );
 
-/// The kernels' description of `mats` (rows of `row_bytes`, `ntok` tokens), each matrix
-/// taking `rows_per_block` rows a block, and the blocks in all.
+/// The kernels' description of `mats` (`ntok` tokens), matrix i in rows of `shape(i).0`
+/// bytes taking `shape(i).1` rows a block, and the blocks in all.
 fn matvec_set(
     dev: &CudaDevice,
     mats: &mut [Product],
     ntok: usize,
-    row_bytes: usize,
-    rows_per_block: usize,
+    shape: impl Fn(usize) -> (usize, usize),
 ) -> Result<(MatvecSet, usize), CudaError> {
     let mut set = MatvecSet {
         w: [0; 3],
@@ -415,6 +414,7 @@ fn matvec_set(
     };
     let mut blocks = 0usize;
     for (i, (w, y, nrows, bias)) in mats.iter_mut().enumerate() {
+        let (row_bytes, rows_per_block) = shape(i);
         if *nrows == 0
             || w.len() < row_bytes * *nrows
             || y.len() < ntok * *nrows
@@ -460,7 +460,56 @@ pub fn mmvq_set(
     if mats.is_empty() || mats.len() > 3 || x.q.len() < ntok * ncols || ncols % 32 != 0 {
         return Err(CudaError::Invalid("matvec: shapes".into()));
     }
-    let (set, blocks) = matvec_set(dev, mats, ntok, row_bytes, rows_per_block as usize)?;
+    let (set, blocks) = matvec_set(dev, mats, ntok, |_| (row_bytes, rows_per_block as usize))?;
+    launch_set(dev, name, &set, blocks, x, ncols, ntok)
+}
+
+/// The one-token q, k and v products in one launch where v's type differs from q's and
+/// k's (Q4_K layers with a Q6_K v, as llama.cpp's Q4_K_M mixes them in half the layers;
+/// Q5_0 with Q8_0): a kernel for the pair (`MMVQ_PAIR` in quant_matvec.cu) runs the
+/// set's last matrix by the second type's code. `false` where there is none for the
+/// pair, the caller then launches by type.
+pub fn mmvq_qkv_pair(
+    dev: &CudaDevice,
+    (qk, v): (GgmlType, GgmlType),
+    mats: &mut [Product; 3],
+    x: &DeviceActs,
+    ncols: usize,
+) -> Result<bool, CudaError> {
+    use GgmlType as G;
+    let name = match (qk, v, regrouped(v, ncols)) {
+        (G::Q4K, G::Q6K, true) => "mmvq_q4_k_v_q6_k_r",
+        (G::Q4K, G::Q6K, false) => "mmvq_q4_k_v_q6_k",
+        (G::Q5_0, G::Q8_0, false) => "mmvq_q5_0_v_q8_0",
+        _ => return Ok(false),
+    };
+    let (ka, kb) = match (kernels(qk, ncols), kernels(v, ncols)) {
+        (Some(a), Some(b)) => (a.one.1 as usize, b.one.1 as usize),
+        _ => return Ok(false),
+    };
+    let bytes = |ty: GgmlType| {
+        ty.row_bytes(ncols as u64)
+            .ok_or_else(|| CudaError::Invalid(format!("{ncols} columns are not whole {ty} blocks")))
+    };
+    let (ra, rb) = (bytes(qk)? as usize, bytes(v)? as usize);
+    if x.q.len() < ncols || ncols % 32 != 0 {
+        return Err(CudaError::Invalid("matvec: shapes".into()));
+    }
+    let (set, blocks) = matvec_set(dev, mats, 1, |i| if i == 2 { (rb, kb) } else { (ra, ka) })?;
+    launch_set(dev, name, &set, blocks, x, ncols, 1)?;
+    Ok(true)
+}
+
+/// Launches the mat-vec kernel `name` over `set`.
+fn launch_set(
+    dev: &CudaDevice,
+    name: &'static str,
+    set: &MatvecSet,
+    blocks: usize,
+    x: &DeviceActs,
+    ncols: usize,
+    ntok: usize,
+) -> Result<(), CudaError> {
     let blocks = blocks as u32;
     let f = dev.function("quant_matvec", name)?;
     let cfg = LaunchConfig {
@@ -475,7 +524,7 @@ pub fn mmvq_set(
     unsafe {
         dev.stream
             .launch_builder(&f)
-            .arg(&set)
+            .arg(set)
             .arg(&x.q)
             .arg(&x.d)
             .arg(&x.s)
@@ -525,7 +574,7 @@ fn mmq_set(
         return Err(CudaError::Invalid("matvec: shapes".into()));
     }
     let row_bytes = ty.row_bytes(ncols as u64).expect("whole blocks") as usize;
-    let (mats_set, tiles) = matvec_set(dev, mats, ntok, row_bytes, MMQ_TILE)?;
+    let (mats_set, tiles) = matvec_set(dev, mats, ntok, |_| (row_bytes, MMQ_TILE))?;
     let mut set = MmqSet {
         mats: mats_set,
         part: [0; 3],
@@ -1165,6 +1214,79 @@ pub(crate) mod tests {
             n_expert: 1,
         };
         assert!(!moe_fused_supported(&q5, &q5, &q5));
+    }
+
+    /// The q/k/v pair kernels against one launch per matrix (the same device code, so the
+    /// same bits): Q4_K with regrouped and plain Q6_K, Q5_0 with Q8_0, biases on some;
+    /// pairs without a kernel are declined.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_qkv_pair_matches_one_launch_per_matrix() {
+        use GgmlType as G;
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 41u64;
+        for (a, b, ncols) in [
+            (G::Q4K, G::Q6K, 2048usize),
+            (G::Q4K, G::Q6K, 2816),
+            (G::Q5_0, G::Q8_0, 896),
+        ] {
+            let rows = [ncols, 256, 256 + 8 * 3];
+            let tys = [a, a, b];
+            let w: Vec<_> = (0..3)
+                .map(|i| {
+                    let bytes = random_weights(tys[i], ncols, rows[i], &mut seed);
+                    upload_weights(&dev, &bytes, tys[i], ncols).unwrap()
+                })
+                .collect();
+            let bias: Vec<f32> = (0..rows[2]).map(|i| i as f32 / 100.0 - 1.0).collect();
+            let bias = dev.stream.clone_htod(&bias).unwrap();
+            let x: Vec<f32> = (0..ncols)
+                .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let mut acts = DeviceActs::new(&dev, ncols).unwrap();
+            acts.quantize(&dev, &dev.stream.clone_htod(&x).unwrap(), ncols)
+                .unwrap();
+            let out = |dev: &CudaDevice| -> Vec<CudaSlice<f32>> {
+                rows.iter()
+                    .map(|&r| dev.stream.alloc_zeros::<f32>(r).unwrap())
+                    .collect()
+            };
+            let (mut one, mut each) = (out(&dev), out(&dev));
+            {
+                let [y0, y1, y2] = &mut one[..] else {
+                    unreachable!()
+                };
+                let mut set = [
+                    (&w[0], y0, rows[0], None),
+                    (&w[1], y1, rows[1], None),
+                    (&w[2], y2, rows[2], Some(&bias)),
+                ];
+                assert!(mmvq_qkv_pair(&dev, (a, b), &mut set, &acts, ncols).unwrap());
+            }
+            for i in 0..3 {
+                let bi = (i == 2).then_some(&bias);
+                let mut m = [(&w[i], &mut each[i], rows[i], bi)];
+                mmvq_set(&dev, tys[i], &mut m, &acts, ncols, 1).unwrap();
+            }
+            for i in 0..3 {
+                let (p, q) = (
+                    dev.stream.clone_dtoh(&one[i]).unwrap(),
+                    dev.stream.clone_dtoh(&each[i]).unwrap(),
+                );
+                assert!(q.iter().any(|v| *v != 0.0));
+                assert_eq!(p, q, "{a}/{b} at {ncols} columns, matrix {i}");
+            }
+        }
+        let w = dev.stream.alloc_zeros::<u8>(1 << 16).unwrap();
+        let acts = DeviceActs::new(&dev, 256).unwrap();
+        let mut ys: Vec<_> = (0..3)
+            .map(|_| dev.stream.alloc_zeros::<f32>(32).unwrap())
+            .collect();
+        let [y0, y1, y2] = &mut ys[..] else {
+            unreachable!()
+        };
+        let mut set = [(&w, y0, 32, None), (&w, y1, 32, None), (&w, y2, 32, None)];
+        assert!(!mmvq_qkv_pair(&dev, (G::Q4_0, G::Q8_0), &mut set, &acts, 256).unwrap());
     }
 
     #[test]
