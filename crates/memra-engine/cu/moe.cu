@@ -1,88 +1,15 @@
-// Mixture-of-experts routing and the weighted sum of the chosen experts' outputs (the
-// expert products themselves are the mmvq_moe_* kernels of quant_matvec.cu).
-#include "common.cuh"
-
-#define MAX_USED 16
-
-// A float as an unsigned integer of the same order (negative values flipped whole,
-// non-negative ones above them; -0 taken as +0, which compare equal), and back.
-__device__ __forceinline__ uint32_t ordered_key(float f) {
-    const uint32_t u = __float_as_uint(f == 0.0f ? 0.0f : f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float from_ordered_key(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// Per token (one warp each): softmax over the router's n_exp logits, the n_used most
-// probable experts (ties: the lower index, as the CPU engine sorts), their probabilities
-// renormalized to sum to one when `normalize`. ids, weights: n_tok x n_used.
-// A lane holds logits lane, lane + 32, ... (NPL of them, n_exp <= 32 * NPL) in registers as
-// order-preserving keys, all loaded at once; each pick is two warp reductions (sm_80's
-// redux: the largest key, then the lowest index holding it), and lane k keeps pick k.
-// The earlier kernel reread the logits from memory in every pass and kept its picks in a
-// dynamically indexed (local memory) array: 1,558 instructions at 7.9 cycles apart, 8 us
-// under Nsight Compute for one token of the 30B-A3B.
-template <int NPL>
-__device__ __forceinline__ void moe_route_warp(const float* __restrict__ logits, int* __restrict__ ids,
-                                               float* __restrict__ weights, int n_exp, int n_used, int normalize) {
-    const int t = blockIdx.x, lane = threadIdx.x;
-    const float* l = logits + (size_t)t * n_exp;
-    float v[NPL];
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) v[j] = lane + 32 * j < n_exp ? l[lane + 32 * j] : -INFINITY;
-    // Real experts' keys are at least 1, so that taken ones and padding (0) lose to every
-    // real one and an id is always below n_exp.
-    uint32_t key[NPL];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) {
-        key[j] = lane + 32 * j < n_exp ? max(ordered_key(v[j]), 1u) : 0u;
-        mx = fmaxf(mx, v[j]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) sum += lane + 32 * j < n_exp ? expf(v[j] - mx) : 0.0f;
-    sum = warp_sum(sum);
-    int my_id = 0;
-    float my_logit = -INFINITY;
-    for (int k = 0; k < n_used; ++k) {
-        uint32_t bk = 0;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < NPL; ++j) {
-            if (key[j] > bk) {  // strictly: the lowest of a lane's equal keys
-                bk = key[j];
-                bi = lane + 32 * j;
-            }
-        }
-        const uint32_t mk = __reduce_max_sync(0xffffffff, bk);
-        const int at = (int)__reduce_min_sync(0xffffffff, bk == mk ? (uint32_t)bi : 0x7fffffffu);
-#pragma unroll
-        for (int j = 0; j < NPL; ++j) {
-            if (at == lane + 32 * j) key[j] = 0;
-        }
-        if (lane == k) {
-            my_id = at;
-            my_logit = from_ordered_key(mk);
-        }
-    }
-    const float p = lane < n_used ? expf(my_logit - mx) / sum : 0.0f;
-    const float total = warp_sum(p);
-    if (lane < n_used) {
-        ids[(size_t)t * n_used + lane] = my_id;
-        weights[(size_t)t * n_used + lane] = normalize ? p / total : p;
-    }
-}
+// Mixture-of-experts routing (one token a warp, `moe_route.cuh`) and the weighted sum of the
+// chosen experts' outputs (the expert products themselves are the mmvq_moe_* kernels of
+// quant_matvec.cu).
+#include "moe_route.cuh"
 
 #define MOE_ROUTE(NPL)                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE)                                                     \
         moe_route_##NPL(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights,   \
                         int n_exp, int n_used, int normalize) {                                                 \
         PDL_WAIT();                                                                                             \
-        moe_route_warp<NPL>(logits, ids, weights, n_exp, n_used, normalize);                                    \
+        const size_t t = blockIdx.x;                                                                            \
+        moe_route_warp<NPL>(logits + t * n_exp, ids + t * n_used, weights + t * n_used, n_exp, n_used, normalize); \
     }
 
 // Up to 32, 64, 128, 256, 512, 1024 experts.

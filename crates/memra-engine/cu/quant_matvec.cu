@@ -16,6 +16,7 @@
 // Two kernel shapes: Q4_K and the regrouped Q6_K / Q8_0, the formats of nearly all decode
 // bytes, have block-cooperative kernels (`mmvq_coop`); every other format one warp per row
 // (`mmvq_generic`, `mmvq_q6_k` for Q6_K rows that are not whole groups, `mmvq_float`).
+#include "moe_route.cuh"
 #include "quant_blocks.cuh"
 
 #define THREADS 128
@@ -461,6 +462,30 @@ MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
 MMVQ_PAIR(mmvq_q4_k_v_q6_k_r, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
 MMVQ_PAIR(mmvq_q4_k_v_q6_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), mmvq_q6_k)
 MMVQ_PAIR(mmvq_q5_0_v_q8_0, mmvq_generic<T_Q5_0>, mmvq_generic<T_Q8_0>)
+
+// A MoE layer's F32 router for one token, and its routing: the router's rows as
+// mmvq_f32_coop computes them (2 a block) into `logits`, then the last block to finish (a
+// counter, which it resets) picks the experts into ids and weights as moe_route does. One
+// launch a layer fewer than the router and moe_route apart.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    moe_router_f32(const uint8_t* __restrict__ W, const int8_t* __restrict__ XQ, const float* __restrict__ XD,
+                   const float* __restrict__ XS, float* __restrict__ logits, int ncols, int n_exp,
+                   unsigned* __restrict__ counter, int* __restrict__ ids, float* __restrict__ weights, int n_used,
+                   int normalize) {
+    PDL_WAIT();
+    mmvq_coop<CoopF32, T_F32, 2, 1>(blockIdx.x, W, XQ, XD, XS, logits, nullptr, ncols, n_exp, 1);
+    // Every thread's stores before the count (the CUDA programming guide's last-block
+    // pattern): the last block then reads all the logits through L2.
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) *counter = 0;
+    __threadfence();
+    if (threadIdx.x < WARP_SIZE) moe_route_any(logits, ids, weights, n_exp, n_used, normalize);
+}
 
 // Experts: block (b, k, t) computes rows of expert ids[t][k] (weights at W + id * stride)
 // for token t; its input is token t's activations (gate and up: `per_slot` 0) or the

@@ -184,6 +184,9 @@ pub struct MoeBuffers {
     pub router: CudaSlice<f32>,
     pub ids: CudaSlice<i32>,
     pub weights: CudaSlice<f32>,
+    /// The router kernel's count of finished blocks (`moe_router_f32`: its last block
+    /// routes, and resets it).
+    pub route_counter: CudaSlice<u32>,
     /// tokens x chosen experts x n_embd.
     pub y: CudaSlice<f32>,
     /// The gated activations of the fused expert kernels (tokens x chosen experts x each
@@ -244,6 +247,7 @@ impl MoeBuffers {
             router: s.alloc_zeros((rows * n_exp).max(1))?,
             ids: s.alloc_zeros((rows * n_used).max(1))?,
             weights: s.alloc_zeros((rows * n_used).max(1))?,
+            route_counter: s.alloc_zeros(1)?,
             y: s.alloc_zeros((rows * n_used * n_embd).max(1))?,
         })
     }
@@ -252,6 +256,7 @@ impl MoeBuffers {
         bytes_of(&self.router)
             + bytes_of(&self.ids)
             + bytes_of(&self.weights)
+            + bytes_of(&self.route_counter)
             + bytes_of(&self.y)
             + self.gated.bytes()
             + self.grouped.as_ref().map_or(0, |g| {

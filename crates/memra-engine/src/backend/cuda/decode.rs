@@ -12,7 +12,8 @@ use half::f16;
 
 use super::buffers::{MoeBuffers, StepBuffers};
 use super::matvec::{
-    mmvq, mmvq_moe, mmvq_qkv_pair, mmvq_set, moe_down, moe_fused_supported, moe_gate_up, DeviceActs,
+    mmvq, mmvq_moe, mmvq_qkv_pair, mmvq_set, moe_down, moe_fused_supported, moe_gate_up,
+    moe_router_route, DeviceActs,
 };
 use super::ops;
 use super::sampling::{argmax, argmax_rows};
@@ -162,17 +163,33 @@ impl LayerOps for DecodePass<'_> {
                 )?;
             }
             GpuFfn::Experts(xp) => {
-                let r = &xp.router;
-                mmvq(
-                    dev,
-                    r.ty,
-                    &r.w,
-                    &s.acts,
-                    &mut s.moe.router,
-                    r.n_in,
-                    r.n_out,
-                    rows,
-                )?;
+                let (r, m) = (&xp.router, &mut s.moe);
+                // One token's router routes in its own launch where it can.
+                let routed = rows == 1
+                    && moe_router_route(
+                        dev,
+                        &r.w,
+                        r.ty,
+                        (r.n_in, r.n_out),
+                        &s.acts,
+                        &mut m.router,
+                        &mut m.route_counter,
+                        (&mut m.ids, &mut m.weights),
+                        xp.n_used,
+                        xp.normalize,
+                    )?;
+                if !routed {
+                    mmvq(
+                        dev,
+                        r.ty,
+                        &r.w,
+                        &s.acts,
+                        &mut m.router,
+                        r.n_in,
+                        r.n_out,
+                        rows,
+                    )?;
+                }
                 moe_ffn(
                     dev,
                     xp,
@@ -183,6 +200,7 @@ impl LayerOps for DecodePass<'_> {
                     &mut s.o,
                     rows,
                     self.gelu,
+                    routed,
                 )?;
             }
         }
@@ -274,8 +292,9 @@ pub(super) fn output_logits(
     mmvq(dev, out.ty, &out.w, acts, logits, out.n_in, out.n_out, rows)
 }
 
-/// A mixture-of-experts FFN for `n` tokens whose router logits are in `moe.router` and
-/// whose normed input is quantized in `acts`: route, the chosen experts' gate and up, the
+/// A mixture-of-experts FFN for `n` tokens whose router logits are in `moe.router` (and
+/// their routing in `moe.ids` and `moe.weights` when `routed`) and whose normed input is
+/// quantized in `acts`: route, the chosen experts' gate and up, the
 /// gated activation, their down projections, and the weighted sum into `o`: two fused
 /// launches where the formats have them, else five (`acts` reused for the gated
 /// activations).
@@ -290,18 +309,21 @@ pub(super) fn moe_ffn(
     o: &mut CudaSlice<f32>,
     n: usize,
     gelu: bool,
+    routed: bool,
 ) -> Result<(), CudaError> {
     let (n_exp, k) = (x.gate.n_expert, x.n_used);
-    ops::moe_route(
-        dev,
-        &moe.router,
-        &mut moe.ids,
-        &mut moe.weights,
-        n,
-        n_exp,
-        k,
-        x.normalize,
-    )?;
+    if !routed {
+        ops::moe_route(
+            dev,
+            &moe.router,
+            &mut moe.ids,
+            &mut moe.weights,
+            n,
+            n_exp,
+            k,
+            x.normalize,
+        )?;
+    }
     let (gate, up, down) = (x.gate.view(), x.up.view(), x.down.view());
     if moe_fused_supported(&gate, &up, &down) {
         moe_gate_up(dev, &gate, &up, &moe.ids, k, acts, &mut moe.gated, n, gelu)?;

@@ -635,6 +635,72 @@ fn mmq_set(
     Ok(())
 }
 
+/// One token's F32 MoE router (`w`: `n_exp x ncols`) into `logits` and its routing into
+/// `ids` and `weights` (`n_used` each, as [`super::ops::moe_route`] writes them) in one
+/// launch: the last of its blocks routes (`moe_router_f32`), counting in `counter` (zero
+/// before, zero after). `false` for routers of other types or shapes, which the caller
+/// runs as a product and a routing launch.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_router_route(
+    dev: &CudaDevice,
+    w: &CudaSlice<u8>,
+    ty: GgmlType,
+    (ncols, n_exp): (usize, usize),
+    x: &DeviceActs,
+    logits: &mut CudaSlice<f32>,
+    counter: &mut CudaSlice<u32>,
+    (ids, weights): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    n_used: usize,
+    normalize: bool,
+) -> Result<bool, CudaError> {
+    if ty != GgmlType::F32 || !(1..=16).contains(&n_used) || n_used > n_exp || n_exp > 1024 {
+        return Ok(false);
+    }
+    if ncols % 32 != 0
+        || w.len() < 4 * ncols * n_exp
+        || x.q.len() < ncols
+        || logits.len() < n_exp
+        || counter.is_empty()
+        || ids.len() < n_used
+        || weights.len() < n_used
+    {
+        return Err(CudaError::Invalid("router: shapes".into()));
+    }
+    let f = dev.function("quant_matvec", "moe_router_f32")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n_exp.div_ceil(2) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (c, e, k, norm) = (
+        ncols as i32,
+        n_exp as i32,
+        n_used as i32,
+        i32::from(normalize),
+    );
+    // SAFETY: shapes checked above; the kernel reads n_exp rows of ncols floats and the
+    // token's activations, writes n_exp logits and n_used ids and weights, and leaves the
+    // counter at zero.
+    unsafe {
+        dev.stream
+            .launch_builder(&f)
+            .arg(w)
+            .arg(&x.q)
+            .arg(&x.d)
+            .arg(&x.s)
+            .arg(logits)
+            .arg(&c)
+            .arg(&e)
+            .arg(counter)
+            .arg(ids)
+            .arg(weights)
+            .arg(&k)
+            .arg(&norm)
+            .launch(cfg)?;
+    }
+    Ok(true)
+}
+
 /// Expert weights of one projection: `n_expert` matrices of `n_out x n_in`, one after the
 /// other (`stride` bytes apart).
 pub struct ExpertWeights<'a> {
@@ -1214,6 +1280,102 @@ pub(crate) mod tests {
             n_expert: 1,
         };
         assert!(!moe_fused_supported(&q5, &q5, &q5));
+    }
+
+    /// The router that routes in its last block against the router product and
+    /// `moe_route` apart (the same device code: the same bits), twice in a row (its counter
+    /// back at zero); routers of other types declined.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_router_routes_as_the_two_launches() {
+        use super::super::ops::moe_route;
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 43u64;
+        for (ncols, n_exp, n_used) in [
+            (2048usize, 128usize, 8usize),
+            (256, 8, 2),
+            (512, 60, 4),
+            (1024, 1000, 16),
+        ] {
+            let bytes = random_weights(GgmlType::F32, ncols, n_exp, &mut seed);
+            let w = upload_weights(&dev, &bytes, GgmlType::F32, ncols).unwrap();
+            let mut counter = dev.stream.alloc_zeros::<u32>(1).unwrap();
+            for rep in 0..2 {
+                let x: Vec<f32> = (0..ncols)
+                    .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let mut acts = DeviceActs::new(&dev, ncols).unwrap();
+                acts.quantize(&dev, &dev.stream.clone_htod(&x).unwrap(), ncols)
+                    .unwrap();
+                let mut l1 = dev.stream.alloc_zeros::<f32>(n_exp).unwrap();
+                let (mut i1, mut w1) = (
+                    dev.stream.alloc_zeros::<i32>(n_used).unwrap(),
+                    dev.stream.alloc_zeros::<f32>(n_used).unwrap(),
+                );
+                let fused = moe_router_route(
+                    &dev,
+                    &w,
+                    GgmlType::F32,
+                    (ncols, n_exp),
+                    &acts,
+                    &mut l1,
+                    &mut counter,
+                    (&mut i1, &mut w1),
+                    n_used,
+                    true,
+                )
+                .unwrap();
+                assert!(fused);
+                let mut l2 = dev.stream.alloc_zeros::<f32>(n_exp).unwrap();
+                let (mut i2, mut w2) = (
+                    dev.stream.alloc_zeros::<i32>(n_used).unwrap(),
+                    dev.stream.alloc_zeros::<f32>(n_used).unwrap(),
+                );
+                mmvq(&dev, GgmlType::F32, &w, &acts, &mut l2, ncols, n_exp, 1).unwrap();
+                moe_route(&dev, &l2, &mut i2, &mut w2, 1, n_exp, n_used, true).unwrap();
+                let what = format!("{n_exp} experts of {ncols}, {n_used} used, run {rep}");
+                let h = |d: &CudaSlice<f32>| dev.stream.clone_dtoh(d).unwrap();
+                let ids = |d: &CudaSlice<i32>| dev.stream.clone_dtoh(d).unwrap();
+                assert_eq!(h(&l1), h(&l2), "{what}: logits");
+                assert_eq!(ids(&i1), ids(&i2), "{what}: ids");
+                assert_eq!(h(&w1), h(&w2), "{what}: weights");
+                assert_eq!(dev.stream.clone_dtoh(&counter).unwrap(), [0], "{what}");
+            }
+        }
+        let w = dev.stream.alloc_zeros::<u8>(1 << 16).unwrap();
+        let acts = DeviceActs::new(&dev, 256).unwrap();
+        let mut l = dev.stream.alloc_zeros::<f32>(64).unwrap();
+        let mut c = dev.stream.alloc_zeros::<u32>(1).unwrap();
+        let (mut i, mut wt) = (
+            dev.stream.alloc_zeros::<i32>(8).unwrap(),
+            dev.stream.alloc_zeros::<f32>(8).unwrap(),
+        );
+        let q8 = moe_router_route(
+            &dev,
+            &w,
+            GgmlType::Q8_0,
+            (256, 64),
+            &acts,
+            &mut l,
+            &mut c,
+            (&mut i, &mut wt),
+            8,
+            true,
+        );
+        assert!(!q8.unwrap());
+        let short = moe_router_route(
+            &dev,
+            &w,
+            GgmlType::F32,
+            (256, 128),
+            &acts,
+            &mut l,
+            &mut c,
+            (&mut i, &mut wt),
+            8,
+            true,
+        );
+        assert!(short.is_err());
     }
 
     /// The q/k/v pair kernels against one launch per matrix (the same device code, so the

@@ -269,6 +269,7 @@ impl LayerOps for PromptPass<'_> {
                     &mut bb.o,
                     n,
                     self.gelu,
+                    false,
                 )?;
             }
         }
