@@ -31,11 +31,10 @@ template <int NPL>
 __device__ __forceinline__ void moe_route_warp(const float* __restrict__ logits, int* __restrict__ ids,
                                                float* __restrict__ weights, int n_exp, int n_used, int normalize) {
     const int lane = threadIdx.x % WARP_SIZE;
-    const float* l = logits;
     // Through L2 (ld.cg): in moe_router_f32 other blocks wrote the logits in this launch.
     float v[NPL];
 #pragma unroll
-    for (int j = 0; j < NPL; ++j) v[j] = lane + 32 * j < n_exp ? __ldcg(l + lane + 32 * j) : -INFINITY;
+    for (int j = 0; j < NPL; ++j) v[j] = lane + 32 * j < n_exp ? __ldcg(logits + lane + 32 * j) : -INFINITY;
     // Real experts' keys are at least 1, so that taken ones and padding (0) lose to every
     // real one and an id is always below n_exp.
     uint32_t key[NPL];

@@ -294,10 +294,9 @@ pub(super) fn output_logits(
 
 /// A mixture-of-experts FFN for `n` tokens whose router logits are in `moe.router` (and
 /// their routing in `moe.ids` and `moe.weights` when `routed`) and whose normed input is
-/// quantized in `acts`: route, the chosen experts' gate and up, the
-/// gated activation, their down projections, and the weighted sum into `o`: two fused
-/// launches where the formats have them, else five (`acts` reused for the gated
-/// activations).
+/// quantized in `acts`: route (unless `routed`), the chosen experts' gate and up, the gated
+/// activation, their down projections, and the weighted sum into `o`: two fused launches
+/// where the formats have them, else five (`acts` reused for the gated activations).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_ffn(
     dev: &CudaDevice,
