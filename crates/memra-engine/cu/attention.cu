@@ -478,11 +478,11 @@ __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const 
     }
 }
 
-// The prompt kernels' entry points: `attn_prefill_d##D` over FN<D> (both kernels take the
-// same arguments), blocks of WARPS warps.
-#define ATTN_PREFILL_ENTRY(NAME, FN, D, WARPS)                                                                      \
+// The prompt kernels' entry points: `FN##_d##D` over FN<D> (both kernels take the same
+// arguments), blocks of WARPS warps.
+#define ATTN_PREFILL_ENTRY(FN, D, WARPS)                                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE)                                                 \
-        NAME##_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                                \
+        FN##_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                                \
                     const __half* __restrict__ v_cache, __half* __restrict__ out, const int* __restrict__ q_start,  \
                     const int* __restrict__ ctx_len, const int* __restrict__ block_tables, int max_blocks,          \
                     int bs_log2, int n_head, int n_head_kv, int window, float scale) {                              \
@@ -490,7 +490,7 @@ __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const 
         FN<D>(q, k_cache, v_cache, out, q_start, ctx_len, block_tables, max_blocks, bs_log2, n_head, n_head_kv,     \
               window, scale);                                                                                       \
     }
-#define ATTN_PREFILL(D) ATTN_PREFILL_ENTRY(attn_prefill, attn_prefill, D, PREFILL_WARPS)
+#define ATTN_PREFILL(D) ATTN_PREFILL_ENTRY(attn_prefill, D, PREFILL_WARPS)
 
 ATTN_PREFILL(32)
 ATTN_PREFILL(64)
@@ -700,7 +700,7 @@ __device__ __forceinline__ void attn_prefill_tc(const float* __restrict__ q, con
     }
 }
 
-#define ATTN_PREFILL_TC(D) ATTN_PREFILL_ENTRY(attn_prefill_tc, attn_prefill_tc, D, TC_WARPS)
+#define ATTN_PREFILL_TC(D) ATTN_PREFILL_ENTRY(attn_prefill_tc, D, TC_WARPS)
 
 ATTN_PREFILL_TC(32)
 ATTN_PREFILL_TC(64)

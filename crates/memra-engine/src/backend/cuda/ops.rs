@@ -328,8 +328,9 @@ pub fn decode_grid_x(n_head: usize, n_head_kv: usize, n_split: usize, n_seqs: us
 
 /// Decode attention, first half, for one query of each of `kv.n_seqs` sequences: block
 /// (kv head and share of its query heads, split, sequence) writes its partial result for
-/// that share of the group's query heads into `part_o` (sequences x n_split x n_head x head_dim) and `part_ml` (sequences x
-/// n_split x n_head x 2). `q` is sequences x n_head x head_dim.
+/// that share of the group's query heads into `part_o` (sequences x n_split x n_head x
+/// head_dim) and `part_ml` (sequences x n_split x n_head x 2). `q` is sequences x n_head x
+/// head_dim.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode(
     dev: &CudaDevice,
