@@ -4,7 +4,10 @@
 //! first on running sequences that decode (one token each), then on running sequences with
 //! prompt left to compute (chunked prefill: a long prompt takes what is left of the budget
 //! each step, so it never stalls the decodes), then admits waiting sequences while fewer
-//! than `max_running` run, taking the longest cached prefix of each first. When the pool
+//! than `max_running` run, taking the longest cached prefix of each first. While some
+//! sequence decodes, a step computes at most `prompt_chunk` prompt tokens: the decodes read
+//! the weights anyway, so small chunks cost them little and waiting prompts get their first
+//! token sooner than in a few large steps (docs/engine.md has the measurement). When the pool
 //! has no block for a running sequence, the most recently admitted one is preempted: its
 //! blocks go back (their prefixes stay cached) and it waits at the front of the queue to be
 //! recomputed, prompt and output alike; nothing is dropped. A waiting sequence whose next
@@ -24,6 +27,8 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Tokens computed per step at most.
     pub token_budget: usize,
+    /// Prompt tokens computed per step at most while a sequence decodes.
+    pub prompt_chunk: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -31,6 +36,7 @@ impl Default for SchedulerConfig {
         SchedulerConfig {
             max_running: 64,
             token_budget: 2048,
+            prompt_chunk: 512,
         }
     }
 }
@@ -79,6 +85,11 @@ impl Sequence {
     pub fn remaining(&self) -> usize {
         self.tokens.len() - self.num_computed
     }
+
+    /// Whether only its last token (and its drafts) is left to compute: it generates.
+    fn decodes(&self) -> bool {
+        self.remaining() == 1 + self.draft
+    }
 }
 
 /// Tokens `start..start + n` of sequence `id` go into the step; `logits` when the last of
@@ -116,7 +127,7 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, blocks: BlockManager) -> Scheduler {
-        assert!(config.max_running > 0 && config.token_budget > 0);
+        assert!(config.max_running > 0 && config.token_budget > 0 && config.prompt_chunk > 0);
         Scheduler {
             config,
             blocks,
@@ -239,6 +250,12 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Step {
         let mut step = Step::default();
         let mut budget = self.config.token_budget;
+        // Prompt tokens (and tokens recomputed after a preemption) the step may still take.
+        let mut prompt_left = if self.running.iter().any(Sequence::decodes) {
+            self.config.prompt_chunk
+        } else {
+            usize::MAX
+        };
         // Decodes first, then running prompts, each in admission order.
         let mut order: Vec<SeqId> = Vec::new();
         order.extend(
@@ -261,7 +278,14 @@ impl Scheduler {
             let Some(i) = self.running.iter().position(|s| s.id == id) else {
                 continue;
             };
+            let prompt = !self.running[i].decodes();
+            if prompt && prompt_left == 0 {
+                continue;
+            }
             let mut n = self.running[i].remaining().min(budget);
+            if prompt {
+                n = n.min(prompt_left);
+            }
             loop {
                 let seq = &mut self.running[i];
                 let target = seq.num_computed + n;
@@ -273,6 +297,9 @@ impl Scheduler {
                         logits: target == seq.tokens.len(),
                     });
                     budget -= n;
+                    if prompt {
+                        prompt_left -= n;
+                    }
                     break;
                 }
                 // Drafts never preempt anyone: without room for them, the sequence drops
@@ -286,7 +313,11 @@ impl Scheduler {
                 // Out of blocks: preempt the most recently admitted, maybe this one.
                 let mut victim = self.running.pop().expect("this one runs");
                 if let Some(at) = step.seqs.iter().position(|s| s.id == victim.id) {
-                    budget += step.seqs.remove(at).n;
+                    let n = step.seqs.remove(at).n;
+                    budget += n;
+                    if !victim.decodes() {
+                        prompt_left = prompt_left.saturating_add(n);
+                    }
                 }
                 Self::free_blocks(&mut self.blocks, &mut self.inflight, &mut victim);
                 victim.preemptions += 1;
@@ -299,6 +330,7 @@ impl Scheduler {
         }
         // Admit waiting sequences (not in a step that had to preempt: blocks are short).
         while budget > 0
+            && prompt_left > 0
             && step.preempted.is_empty()
             && self.running.len() < self.config.max_running
         {
@@ -320,7 +352,7 @@ impl Scheduler {
                 }
                 seq.inflight = future;
             }
-            let n = seq.remaining().min(budget);
+            let n = seq.remaining().min(budget).min(prompt_left);
             let target = seq.num_computed + n;
             if !Self::grow(&mut self.blocks, &mut seq, target) {
                 Self::free_blocks(&mut self.blocks, &mut self.inflight, &mut seq);
@@ -338,6 +370,7 @@ impl Scheduler {
                 logits: target == seq.tokens.len(),
             });
             budget -= n;
+            prompt_left -= n;
             self.running.push(seq);
         }
         step
@@ -464,6 +497,7 @@ mod tests {
             SchedulerConfig {
                 max_running,
                 token_budget: budget,
+                prompt_chunk: budget,
             },
             BlockManager::new(blocks, bs),
         )
@@ -511,6 +545,74 @@ mod tests {
         );
         assert_eq!(st.n_tokens(), 8);
         assert_eq!(s.get(2).unwrap().tokens.len(), 26);
+    }
+
+    #[test]
+    fn prompts_take_the_chunk_beside_decodes_and_the_budget_alone() {
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                max_running: 8,
+                token_budget: 40,
+                prompt_chunk: 6,
+            },
+            BlockManager::new(64, 4),
+        );
+        // Nothing decodes: two prompts share the whole budget.
+        s.add(Sequence::new(1, vec![1; 30]));
+        s.add(Sequence::new(2, vec![2; 30]));
+        let st = step(&mut s, 7);
+        assert_eq!(
+            st.seqs.iter().map(|q| (q.id, q.n)).collect::<Vec<_>>(),
+            [(1, 30), (2, 10)]
+        );
+        // Sequence 1 decodes: sequence 2's prompt goes on 6 tokens a step, and a new one
+        // waits for the chunk to have room.
+        s.add(Sequence::new(3, vec![3; 5]));
+        let st = step(&mut s, 7);
+        assert_eq!(
+            st.seqs
+                .iter()
+                .map(|q| (q.id, q.start, q.n))
+                .collect::<Vec<_>>(),
+            [(1, 30, 1), (2, 10, 6)]
+        );
+        let plan = |st: Step| {
+            st.seqs
+                .iter()
+                .map(|q| (q.id, q.start, q.n))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(plan(step(&mut s, 7)), [(1, 31, 1), (2, 16, 6)]);
+        assert_eq!(plan(step(&mut s, 7)), [(1, 32, 1), (2, 22, 6)]);
+        // Sequence 2's last 2 prompt tokens leave 4 of the chunk to sequence 3.
+        assert_eq!(plan(step(&mut s, 7)), [(1, 33, 1), (2, 28, 2), (3, 0, 4)]);
+        assert_eq!(plan(step(&mut s, 7)), [(1, 34, 1), (2, 30, 1), (3, 4, 1)]);
+        assert_eq!(s.get(3).unwrap().tokens.len(), 6);
+    }
+
+    #[test]
+    fn prompts_go_on_when_more_sequences_decode_than_the_chunk() {
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                max_running: 8,
+                token_budget: 100,
+                prompt_chunk: 2,
+            },
+            BlockManager::new(64, 4),
+        );
+        for id in 0..4 {
+            s.add(Sequence::new(id, vec![1; 2]));
+        }
+        step(&mut s, 7);
+        s.add(Sequence::new(9, vec![9; 5]));
+        for start in [0, 2, 4] {
+            let st = step(&mut s, 7);
+            // Four decodes, then the prompt's chunk of at most 2.
+            assert_eq!(st.seqs.len(), 5);
+            assert_eq!((st.seqs[4].id, st.seqs[4].start), (9, start));
+            assert_eq!(st.seqs[4].n, 2.min(5 - start));
+        }
+        assert!(s.get(9).unwrap().decodes());
     }
 
     #[test]

@@ -73,6 +73,7 @@ fn engine_with(
             scheduler: SchedulerConfig {
                 max_running,
                 token_budget: budget,
+                prompt_chunk: budget,
             },
             n_ctx: N_CTX,
             spec,
@@ -782,6 +783,7 @@ fn tensor_parallel_ranks_batched_give_each_sequence_its_tokens_alone() {
             scheduler: SchedulerConfig {
                 max_running: 6,
                 token_budget: 17,
+                prompt_chunk: 17,
             },
             n_ctx: N_CTX,
             spec: None,

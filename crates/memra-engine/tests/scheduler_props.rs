@@ -47,9 +47,10 @@ proptest! {
         block_size in 1usize..5,
         max_running in 1usize..6,
         budget in 1usize..40,
+        prompt_chunk in 1usize..40,
     ) {
         let mut s = Scheduler::new(
-            SchedulerConfig { max_running, token_budget: budget },
+            SchedulerConfig { max_running, token_budget: budget, prompt_chunk },
             BlockManager::new(blocks, block_size),
         );
         // id -> (tokens still to generate)

@@ -160,7 +160,8 @@ pub fn run(model_args: &ModelArgs, a: &BatchedArgs) -> Result<()> {
         );
     }
     // One engine for every row (a GPU holds the weights once): room for the largest row,
-    // every prompt of a row in one step unless the user asked for smaller steps.
+    // every prompt of a row in one step (as llama-batched-bench computes them), also
+    // after a shared prefix's first sequence has begun to decode.
     let (max_pp, max_tg, max_b) = (
         a.npp.iter().copied().max().unwrap_or(1),
         a.ntg.iter().copied().max().unwrap_or(0),
@@ -169,6 +170,7 @@ pub fn run(model_args: &ModelArgs, a: &BatchedArgs) -> Result<()> {
     let n_ctx = max_pp + max_tg + 1;
     let mut args = model_args.clone();
     args.batch_size = args.batch_size.max(max_b * max_pp);
+    args.prompt_chunk = args.batch_size;
     if args.kv_tokens.is_none() && args.kv_memory.is_none() && args.device() == Device::Cpu {
         args.kv_tokens = Some(max_b * n_ctx);
     }

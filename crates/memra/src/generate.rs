@@ -62,6 +62,11 @@ pub struct ModelArgs {
     /// Tokens computed per engine step at most: decodes first, then prompt chunks.
     #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
     pub batch_size: usize,
+    /// Prompt tokens computed per engine step at most while other sequences decode
+    /// (chunked prefill: the decodes' steps stay short, and waiting prompts get their first
+    /// token sooner than in a few large steps).
+    #[arg(long, default_value_t = 512)]
+    pub prompt_chunk: usize,
     /// GPU: keep f16 copies of the weights for the GEMMs of prompts and many decodes (2
     /// bytes a weight besides the quantized file's: 14 GiB for an 8B). auto: when they take
     /// at most a quarter of the memory left free.
@@ -390,6 +395,9 @@ pub fn start_engine(
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
+    if args.prompt_chunk == 0 {
+        bail!("--prompt-chunk must be at least 1");
+    }
     let contexts = n_ctx * parallel;
     let spec = args.spec.config()?;
     // The draft first: on a GPU the target's pool takes a share of what is left.
@@ -438,6 +446,7 @@ pub fn start_engine(
             scheduler: SchedulerConfig {
                 max_running: parallel,
                 token_budget: args.batch_size,
+                prompt_chunk: args.prompt_chunk,
             },
             n_ctx,
             spec,

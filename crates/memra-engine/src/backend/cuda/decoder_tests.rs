@@ -451,6 +451,7 @@ fn gpu_engine_batches_equal_alone() {
                         scheduler: SchedulerConfig {
                             max_running: 8,
                             token_budget: budget,
+                            prompt_chunk: budget,
                         },
                         n_ctx: ctx,
                         spec: None,
@@ -544,6 +545,7 @@ fn gpu_engine_constrained_sequences_match_their_schema() {
                 scheduler: SchedulerConfig {
                     max_running: 32,
                     token_budget: 2048,
+                    prompt_chunk: 2048,
                 },
                 n_ctx: ctx,
                 spec: None,
@@ -641,6 +643,7 @@ fn gpu_speculative_greedy_equals_plain_decoding() {
                 scheduler: SchedulerConfig {
                     max_running: 1,
                     token_budget: 2048,
+                    prompt_chunk: 2048,
                 },
                 n_ctx: ctx,
                 spec: Some(SpecConfig {
