@@ -21,7 +21,7 @@ synth() { # shape quant
   echo "$f"
 }
 for tool in memcheck racecheck; do
-  for t in gpu_attention gpu_sampling gpu_token_mask gpu_mmq_matches gpu_fused_experts gpu_moe_route gpu_qkv_pair gpu_router_routes; do
+  for t in gpu_attention gpu_decode_rows_sum gpu_sampling gpu_token_mask gpu_mmq_matches gpu_fused_experts gpu_moe_route gpu_qkv_pair gpu_router_routes; do
     compute-sanitizer --tool $tool --error-exitcode 9 .device/engine-tests --ignored $t \
       >>"$out/sanitizer.log" 2>&1 && echo "compute-sanitizer $tool: $t clean" \
       || { echo "compute-sanitizer $tool: $t FAILED (see sanitizer.log)"; status=1; }

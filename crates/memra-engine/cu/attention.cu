@@ -13,6 +13,7 @@
 #include "tensor_core.cuh"
 
 #define MAX_SPLITS 128
+#define KEYS_PER_SPLIT 64  // ops::KEYS_PER_SPLIT: the split count a context gets
 
 // The pool slot of position j of the sequence whose block table is `bt`.
 __device__ __forceinline__ size_t kv_slot(const int* __restrict__ bt, int j, int bs_log2) {
@@ -68,9 +69,12 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
 //
 // Sequence blockIdx.z's query sees its ctx_len positions (its own key included), read on
 // the device with its block table, so a captured graph replays with new ones without
-// changes; n_split is a plain argument a graph rewrites when the split count changes (a
-// short sequence's later splits are empty). Partials: n_split x n_head per sequence (the
-// combine kernel reads them with the same n_split).
+// changes; n_split is a plain argument a graph rewrites when the split count changes.
+// Partials: n_split x n_head per sequence (the combine kernel reads them with the same
+// n_split). A sequence spreads its keys over the splits its own context would get alone
+// (decode_splits in ops.rs, within n_split), its later splits left empty (an empty
+// partial adds exact zeros in the combine), so that a row of a batch, or of a speculative
+// verify step whose later rows see more keys, sums in the order it would by itself.
 template <int D>
 __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const __half* __restrict__ k_cache,
                                             const __half* __restrict__ v_cache, float* __restrict__ part_o,
@@ -95,7 +99,8 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     // warp's step of 32 positions is two whole blocks: its slots come from two table
     // entries.
     const int first_al = first & ~(WARP_SIZE - 1);
-    const int per = ((n_kv - first_al + n_split - 1) / n_split + WARP_SIZE - 1) & ~(WARP_SIZE - 1);
+    const int own = min(n_split, max(1, min(MAX_SPLITS, (n_kv + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT)));
+    const int per = ((n_kv - first_al + own - 1) / own + WARP_SIZE - 1) & ~(WARP_SIZE - 1);
     const int begin = first_al + split * per, end = min(n_kv, begin + per);
     // A step's table entries (the first step's loaded before the wait for the previous
     // kernel: the batch arrays were copied before the step began, so under programmatic

@@ -280,6 +280,8 @@ pub fn rope_qk_append(
 
 /// Keys per split of the decode attention: one 32-key step per warp of the block's two
 /// (enough work to hide the merge), and short contexts still spread over several blocks.
+/// (`KEYS_PER_SPLIT` in attention.cu too: the kernel gives each sequence its own context's
+/// split count.)
 pub const KEYS_PER_SPLIT: usize = 64;
 /// The most splits (`MAX_SPLITS` in attention.cu, the combine kernel's shared weights):
 /// 64-key splits up to depth 8,192 (the kernel rounds a split's share up to
@@ -1181,6 +1183,94 @@ mod tests {
                 .unwrap();
                 let got = dev.stream.clone_dtoh(&outd).unwrap();
                 close(&got, &want_last, &format!("decode, {n_split} splits"));
+            }
+        }
+    }
+
+    /// The rows of a speculative verify step (one sequence's block table, contexts n to
+    /// n + 7) in one decode launch, split by the longest, against each row alone at its own
+    /// split count (what plain decoding runs): the same bits, also where the rows' contexts
+    /// cross a split boundary.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_decode_rows_sum_as_they_would_alone() {
+        const BS: usize = 16;
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 4321u64;
+        let mut rnd = |scale: f32| ((lcg(&mut seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
+        for (nh, nkv, d, n0, window) in [
+            (12usize, 2usize, 128usize, 60usize, 0usize),
+            (32, 8, 128, 4093, 0),
+            (14, 2, 64, 125, 0),
+            (4, 1, 256, 190, 100),
+        ] {
+            let rows = 8;
+            let row = nkv * d;
+            let shape = AttentionShape {
+                n_head: nh,
+                n_head_kv: nkv,
+                head_dim_k: d,
+                head_dim_v: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                window: (window > 0).then_some(window),
+            };
+            let n_blocks = (n0 + rows).div_ceil(BS);
+            let table: Vec<i32> = (0..n_blocks as i32).rev().collect();
+            let pool: Vec<f16> = (0..n_blocks * BS * row)
+                .map(|_| f16::from_f32(rnd(2.0)))
+                .collect();
+            let q: Vec<f32> = (0..rows * nh * d).map(|_| rnd(1.0)).collect();
+            let (kd, vd) = (
+                dev.stream.clone_htod(&pool).unwrap(),
+                dev.stream.clone_htod(&pool).unwrap(),
+            );
+            let run = |first: usize, n: usize, n_split: usize| -> Vec<f32> {
+                let ctx: Vec<i32> = (first..first + n).map(|r| (n0 + r + 1) as i32).collect();
+                let tables: Vec<i32> = (0..n).flat_map(|_| table.iter().copied()).collect();
+                let ctx_d = dev.stream.clone_htod(&ctx).unwrap();
+                let tables_d = dev.stream.clone_htod(&tables).unwrap();
+                let qd = dev
+                    .stream
+                    .clone_htod(&q[first * nh * d..(first + n) * nh * d])
+                    .unwrap();
+                let kv = PagedKv {
+                    ctx_len: ctx_d.slice(..),
+                    block_tables: tables_d.slice(..),
+                    max_blocks: n_blocks,
+                    block_size: BS,
+                    n_seqs: n,
+                    pool_slots: n_blocks * BS,
+                };
+                let mut po = dev.stream.alloc_zeros::<f32>(n * n_split * nh * d).unwrap();
+                let mut pm = dev.stream.alloc_zeros::<f32>(n * n_split * nh * 2).unwrap();
+                attention_decode(&dev, &shape, &qd, &kd, &vd, &mut po, &mut pm, &kv, n_split)
+                    .unwrap();
+                let mut acts = DeviceActs::new(&dev, n * nh * d).unwrap();
+                let mut out = dev.stream.alloc_zeros::<f32>(n * nh * d).unwrap();
+                attention_combine_into(
+                    &dev,
+                    &shape,
+                    &po,
+                    &pm,
+                    Some(&mut out),
+                    &mut acts,
+                    n_split,
+                    n,
+                )
+                .unwrap();
+                dev.stream.clone_dtoh(&out).unwrap()
+            };
+            let together = run(0, rows, decode_splits(n0 + rows));
+            for r in 0..rows {
+                let alone = run(r, 1, decode_splits(n0 + r + 1));
+                let got = &together[r * nh * d..(r + 1) * nh * d];
+                assert!(
+                    got.iter()
+                        .zip(&alone)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{nh}/{nkv} d{d} context {}: the batch's row differs from the row alone",
+                    n0 + r + 1
+                );
             }
         }
     }
