@@ -992,6 +992,19 @@ mod tests {
         }
     }
 
+    /// Equal key and value widths `d`, the usual scale, a window of `window` positions (0:
+    /// none).
+    fn test_shape(nh: usize, nkv: usize, d: usize, window: usize) -> AttentionShape {
+        AttentionShape {
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim_k: d,
+            head_dim_v: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window: (window > 0).then_some(window),
+        }
+    }
+
     /// Decode (split-K + combine) and prompt (flash) attention over a paged pool against
     /// the CPU reference, on random queries and f16 keys and values (the CPU gets the same
     /// f16 values, contiguous), for every head dimension, grouped heads, sliding windows,
@@ -1018,14 +1031,7 @@ mod tests {
             (8, 2, 64, 37, 200, 70),
         ] {
             let row = nkv * d;
-            let shape = AttentionShape {
-                n_head: nh,
-                n_head_kv: nkv,
-                head_dim_k: d,
-                head_dim_v: d,
-                scale: 1.0 / (d as f32).sqrt(),
-                window: (window > 0).then_some(window),
-            };
+            let shape = test_shape(nh, nkv, d, window);
             // Two sequences: the case, and a shorter one.
             let seqs = [(p0, n_q), (p0 / 3, n_q.div_ceil(2))];
             let blocks: Vec<usize> = seqs.iter().map(|&(p, n)| (p + n).div_ceil(BS)).collect();
@@ -1206,14 +1212,7 @@ mod tests {
         ] {
             let rows = 8;
             let row = nkv * d;
-            let shape = AttentionShape {
-                n_head: nh,
-                n_head_kv: nkv,
-                head_dim_k: d,
-                head_dim_v: d,
-                scale: 1.0 / (d as f32).sqrt(),
-                window: (window > 0).then_some(window),
-            };
+            let shape = test_shape(nh, nkv, d, window);
             let n_blocks = (n0 + rows).div_ceil(BS);
             let table: Vec<i32> = (0..n_blocks as i32).rev().collect();
             let pool: Vec<f16> = (0..n_blocks * BS * row)
