@@ -492,6 +492,23 @@ impl Scheduler {
 mod tests {
     use super::*;
 
+    /// 64 blocks of 4 positions, up to 8 sequences, the budget and the prompt chunk given.
+    fn chunked(budget: usize, prompt_chunk: usize) -> Scheduler {
+        Scheduler::new(
+            SchedulerConfig {
+                max_running: 8,
+                token_budget: budget,
+                prompt_chunk,
+            },
+            BlockManager::new(64, 4),
+        )
+    }
+
+    /// A step's (id, start, n) entries.
+    fn plan(st: Step) -> Vec<(SeqId, usize, usize)> {
+        st.seqs.iter().map(|q| (q.id, q.start, q.n)).collect()
+    }
+
     fn sched(blocks: usize, bs: usize, max_running: usize, budget: usize) -> Scheduler {
         Scheduler::new(
             SchedulerConfig {
@@ -549,14 +566,7 @@ mod tests {
 
     #[test]
     fn prompts_take_the_chunk_beside_decodes_and_the_budget_alone() {
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                max_running: 8,
-                token_budget: 40,
-                prompt_chunk: 6,
-            },
-            BlockManager::new(64, 4),
-        );
+        let mut s = chunked(40, 6);
         // Nothing decodes: two prompts share the whole budget.
         s.add(Sequence::new(1, vec![1; 30]));
         s.add(Sequence::new(2, vec![2; 30]));
@@ -568,20 +578,7 @@ mod tests {
         // Sequence 1 decodes: sequence 2's prompt goes on 6 tokens a step, and a new one
         // waits for the chunk to have room.
         s.add(Sequence::new(3, vec![3; 5]));
-        let st = step(&mut s, 7);
-        assert_eq!(
-            st.seqs
-                .iter()
-                .map(|q| (q.id, q.start, q.n))
-                .collect::<Vec<_>>(),
-            [(1, 30, 1), (2, 10, 6)]
-        );
-        let plan = |st: Step| {
-            st.seqs
-                .iter()
-                .map(|q| (q.id, q.start, q.n))
-                .collect::<Vec<_>>()
-        };
+        assert_eq!(plan(step(&mut s, 7)), [(1, 30, 1), (2, 10, 6)]);
         assert_eq!(plan(step(&mut s, 7)), [(1, 31, 1), (2, 16, 6)]);
         assert_eq!(plan(step(&mut s, 7)), [(1, 32, 1), (2, 22, 6)]);
         // Sequence 2's last 2 prompt tokens leave 4 of the chunk to sequence 3.
@@ -592,14 +589,7 @@ mod tests {
 
     #[test]
     fn prompts_go_on_when_more_sequences_decode_than_the_chunk() {
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                max_running: 8,
-                token_budget: 100,
-                prompt_chunk: 2,
-            },
-            BlockManager::new(64, 4),
-        );
+        let mut s = chunked(100, 2);
         for id in 0..4 {
             s.add(Sequence::new(id, vec![1; 2]));
         }
