@@ -667,4 +667,82 @@ mod tests {
             }
         }
     }
+
+    /// The dense products' time on llama3-8b's shapes against cuBLAS on f16 weights of the
+    /// same shape, for the token counts of batched decode:
+    /// `--ignored gpu_qgemm_speed --nocapture`. Median of 10 runs of 20 launches back to
+    /// back, the weights rotating through copies larger than L2 together.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_qgemm_speed() {
+        use super::super::gemm::Gemm;
+        let dev = CudaDevice::new(0).expect("GPU");
+        let gemm = Gemm::new(&dev).unwrap();
+        let mut seed = 41u64;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let time = |run: &mut dyn FnMut(usize)| {
+            let mut times = Vec::new();
+            let mut i = 0;
+            for rep in 0..12 {
+                let start = dev.stream.record_event(timing).unwrap();
+                for _ in 0..20 {
+                    i += 1;
+                    run(i);
+                }
+                let end = dev.stream.record_event(timing).unwrap();
+                if rep >= 2 {
+                    times.push(f64::from(start.elapsed_ms(&end).unwrap()) / 20.0 * 1e3);
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2]
+        };
+        // (type, n_in, n_out): q/k/v together, the output projection, gate and up together,
+        // down, the Q6_K down of some layers, the output head.
+        let shapes = [
+            (G::Q4K, 4096usize, 6144usize),
+            (G::Q4K, 4096, 4096),
+            (G::Q4K, 4096, 28672),
+            (G::Q4K, 14336, 4096),
+            (G::Q6K, 14336, 4096),
+            (G::Q6K, 4096, 128256),
+        ];
+        for (ty, n_in, n_out) in shapes {
+            let w = random_weights(ty, n_in, n_out, &mut seed);
+            let h = repack(ty, &w, n_in, n_out, 1).unwrap();
+            let copies = (300_000_000 / h.levels.len()).clamp(1, 8);
+            let tiles: Vec<_> = (0..copies)
+                .map(|_| TileMatrix::upload(&dev, &h).unwrap())
+                .collect();
+            let f16_copies = (300_000_000 / (2 * n_in * n_out)).clamp(1, 8);
+            let w16: Vec<_> = (0..f16_copies)
+                .map(|_| dev.stream.alloc_zeros::<f16>(n_in * n_out).unwrap())
+                .collect();
+            for n in [9usize, 16, 32, 64, 128, 256] {
+                let x = random_acts(n * n_in, &mut seed);
+                let xd = dev.stream.clone_htod(&x).unwrap();
+                let mut y = dev.stream.alloc_zeros::<f32>(n * n_out).unwrap();
+                let mut work = dev
+                    .stream
+                    .alloc_zeros::<f32>(work_len(&tiles[0], n).max(1))
+                    .unwrap();
+                let q = time(&mut |i| {
+                    let t = &tiles[i % copies];
+                    qgemm(&dev, t, &xd.slice(..), &mut y, None, &mut work, n).unwrap();
+                });
+                let c = time(&mut |i| {
+                    let wv = w16[i % f16_copies].slice(..);
+                    gemm.f16_f32(&dev, &wv, &xd.slice(..), &mut y, 0, n_out, n, n_in, n_out)
+                        .unwrap();
+                });
+                eprintln!(
+                    "{ty} {n_in}x{n_out}, {n} tokens: tile layout {q:.1} us ({:.2} TB/s, split {}), \
+                     cuBLAS f16 {c:.1} us ({:.2} TB/s)",
+                    tiles[0].bytes() as f64 / q / 1e6,
+                    tiles[0].split(),
+                    (2 * n_in * n_out) as f64 / c / 1e6,
+                );
+            }
+        }
+    }
 }
