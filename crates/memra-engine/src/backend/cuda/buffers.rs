@@ -7,7 +7,7 @@ use half::f16;
 
 use super::gemm::Gemm;
 use super::matvec::{DeviceActs, MAX_MMQ_TOKENS, MAX_TOKENS};
-use super::ops::{PagedKv, MAX_SPLITS};
+use super::ops::{self, PagedKv, MAX_SPLITS};
 use super::sampling::{ArgmaxParts, DeviceSampler};
 use super::weights::GpuLayer;
 use super::{CudaDevice, CudaError};
@@ -205,7 +205,7 @@ pub struct GroupedMoe {
     /// (expert, first slot, count) per tile, and the count of tiles.
     pub tiles: CudaSlice<i32>,
     pub tiles_n: CudaSlice<i32>,
-    /// The gated activations' f16 range factors, per slot.
+    /// The gated activations' f16 range factors, per slot (and `gated_f16`'s scratch).
     pub scale: CudaSlice<f32>,
 }
 
@@ -237,7 +237,7 @@ impl MoeBuffers {
                 slot_of: s.alloc_zeros(pairs)?,
                 tiles: s.alloc_zeros(3 * GroupedMoe::max_tiles(pairs, n_exp))?,
                 tiles_n: s.alloc_zeros(1)?,
-                scale: s.alloc_zeros(pairs)?,
+                scale: s.alloc_zeros(ops::gated_scales_len(pairs, n_ff))?,
             }),
             false => None,
         };
@@ -384,7 +384,8 @@ pub struct BatchBuffers {
     pub o: CudaSlice<f32>,
     pub g: CudaSlice<f32>,
     pub u: CudaSlice<f32>,
-    /// Per-row factors undoing the f16 range scaling of the gated activations.
+    /// Per-row factors undoing the f16 range scaling of the gated activations (and
+    /// `gated_f16`'s scratch).
     pub row_scale: CudaSlice<f32>,
     /// One weight matrix dequantized to f16.
     pub w: CudaSlice<f16>,
@@ -428,7 +429,7 @@ impl BatchBuffers {
             o: s.alloc_zeros(b * w.n_embd)?,
             g: s.alloc_zeros((b * w.ffn).max(1))?,
             u: s.alloc_zeros((b * w.ffn).max(1))?,
-            row_scale: s.alloc_zeros(b)?,
+            row_scale: s.alloc_zeros(ops::gated_scales_len(b, w.ffn))?,
             w: s.alloc_zeros(w_max.max(1))?,
             gemm: Gemm::new(dev)?,
             moe_acts: if has_experts {

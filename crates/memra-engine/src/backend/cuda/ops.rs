@@ -641,6 +641,10 @@ fn attention_prefill_on(
     Ok(())
 }
 
+/// Threads of an `add_norm_f16` block (one a row): enough that a row of a few thousand
+/// issues its loads at once (norm.cu).
+const ADD_NORM_THREADS: u32 = 1024;
+
 /// Prompt batches: `x += o` (when given), then the RMS norm of each of `rows` rows times
 /// `w`, as f16 into `out`.
 pub fn add_norm_f16(
@@ -658,7 +662,7 @@ pub fn add_norm_f16(
         "add_norm_f16: shapes",
     )?;
     let f = dev.function("norm", "add_norm_f16")?;
-    let cfg = blocks(rows, THREADS);
+    let cfg = blocks(rows, ADD_NORM_THREADS);
     let (n_i, null) = (n as i32, 0u64);
     // SAFETY: rows x n elements of x, o and out; n of w (checked above).
     unsafe {
@@ -673,36 +677,66 @@ pub fn add_norm_f16(
     Ok(())
 }
 
+/// Columns of a gated row one block takes (`GATED_CHUNK` of elementwise.cu).
+const GATED_CHUNK: usize = 1024;
+
+/// The length of the `scales` buffer [`gated_f16`] needs for `rows` rows of `n`: each row's
+/// factor, then each chunk's largest magnitude.
+pub fn gated_scales_len(rows: usize, n: usize) -> usize {
+    rows * (1 + n.div_ceil(GATED_CHUNK))
+}
+
 /// Prompt batches: `out = act(g) * u` as f16 for `rows` rows of `n`; rows whose values
-/// would overflow f16 are scaled down, and `inv_scale[row]` gets the factor to apply to
-/// the down projection's output ([`scale_rows`]).
+/// would overflow f16 are scaled down, and `scales[row]` gets the factor to apply to the
+/// down projection's output ([`scale_rows`]). `scales` holds [`gated_scales_len`] floats.
 #[allow(clippy::too_many_arguments)]
 pub fn gated_f16(
     dev: &CudaDevice,
     g: &CudaSlice<f32>,
     u: &CudaSlice<f32>,
     out: &mut CudaSlice<f16>,
-    inv_scale: &mut CudaSlice<f32>,
+    scales: &mut CudaSlice<f32>,
     rows: usize,
     n: usize,
     gelu: bool,
 ) -> Result<(), CudaError> {
     let total = rows * n;
     check(
-        g.len() >= total && u.len() >= total && out.len() >= total && inv_scale.len() >= rows,
+        g.len() >= total
+            && u.len() >= total
+            && out.len() >= total
+            && scales.len() >= gated_scales_len(rows, n)
+            && rows <= 65_535,
         "gated_f16: shapes",
     )?;
-    let f = dev.function("elementwise", "gated_f16")?;
-    let cfg = blocks(rows, THREADS);
+    if total == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(GATED_CHUNK) as u32, rows as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let (n_i, gelu) = (n as i32, i32::from(gelu));
-    // SAFETY: rows x n elements of each, rows of inv_scale (checked above).
+    let amax = dev.function("elementwise", "gated_amax")?;
+    let f = dev.function("elementwise", "gated_f16")?;
+    // SAFETY: rows x n elements of g, u and out, gated_scales_len of scales (checked
+    // above); the grid is the one both kernels index scales by.
     unsafe {
+        dev.stream
+            .launch_builder(&amax)
+            .arg(g)
+            .arg(u)
+            .arg(&mut *scales)
+            .arg(&n_i)
+            .arg(&gelu)
+            .launch(cfg)?;
         dev.stream
             .launch_builder(&f)
             .arg(g)
             .arg(u)
             .arg(out)
-            .arg(inv_scale)
+            .arg(scales)
             .arg(&n_i)
             .arg(&gelu)
             .launch(cfg)?;
@@ -936,6 +970,99 @@ mod tests {
     use super::super::matvec::upload_weights;
     use super::*;
     use memra_gguf::quant::dequantize_to_vec;
+
+    /// The prompt path's gated activation and residual-add norm against a host reference,
+    /// on fresh random rows: widths that are not whole chunks, one row, many rows, a row
+    /// past the f16 range (scaled down by a power of two, its factor returned), and a
+    /// `scales` buffer too small refused.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_gated_and_add_norm_match_a_host_reference() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 0x9a7ed ^ std::process::id() as u64;
+        let mut rnd = |scale: f32| ((lcg(&mut seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
+        let act = |x: f32, gelu: bool| match gelu {
+            true => 0.5 * x * (1.0 + (0.797_884_6 * x * (1.0 + 0.044715 * x * x)).tanh()),
+            false => x / (1.0 + (-x).exp()),
+        };
+        for (rows, n, gelu) in [(1, 1000, false), (3, 2048, true), (37, 4864, false)] {
+            let mut g: Vec<f32> = (0..rows * n).map(|_| rnd(4.0)).collect();
+            let u: Vec<f32> = (0..rows * n).map(|_| rnd(4.0)).collect();
+            // The last row's one large product: 120,000, 7.3 times 2^14, so a factor of 8.
+            g[rows * n - 7] = 300.0;
+            let u_big = 400.0;
+            let mut u = u;
+            u[rows * n - 7] = u_big;
+            let (gd, ud) = (
+                dev.stream.clone_htod(&g).unwrap(),
+                dev.stream.clone_htod(&u).unwrap(),
+            );
+            let mut out = dev.stream.alloc_zeros::<f16>(rows * n).unwrap();
+            let mut scales = dev
+                .stream
+                .alloc_zeros::<f32>(gated_scales_len(rows, n))
+                .unwrap();
+            gated_f16(&dev, &gd, &ud, &mut out, &mut scales, rows, n, gelu).unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            let factors = dev.stream.clone_dtoh(&scales).unwrap();
+            for r in 0..rows {
+                let row: Vec<f32> = (0..n)
+                    .map(|i| act(g[r * n + i], gelu) * u[r * n + i])
+                    .collect();
+                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let want_factor = if amax > 16384.0 {
+                    (amax / 16384.0).log2().ceil().exp2()
+                } else {
+                    1.0
+                };
+                assert_eq!(
+                    factors[r], want_factor,
+                    "rows {rows} n {n}: row {r}'s factor"
+                );
+                for (i, v) in row.iter().enumerate() {
+                    let want = f16::from_f32(v / want_factor).to_f32();
+                    let have = got[r * n + i].to_f32();
+                    assert!(
+                        (have - want).abs() <= 1e-3 * want.abs() + 1e-5,
+                        "row {r} column {i}: {have} vs {want}"
+                    );
+                }
+            }
+            assert_eq!(factors[rows - 1], 8.0, "the last row is scaled");
+            let mut short = dev.stream.alloc_zeros::<f32>(rows).unwrap();
+            assert!(gated_f16(&dev, &gd, &ud, &mut out, &mut short, rows, n, gelu).is_err());
+
+            // x += o, then the RMS norm of each row times w.
+            let x: Vec<f32> = (0..rows * n).map(|_| rnd(2.0)).collect();
+            let o: Vec<f32> = (0..rows * n).map(|_| rnd(2.0)).collect();
+            let w: Vec<f32> = (0..n).map(|_| rnd(1.5)).collect();
+            let mut xd = dev.stream.clone_htod(&x).unwrap();
+            let (od, wd) = (
+                dev.stream.clone_htod(&o).unwrap(),
+                dev.stream.clone_htod(&w).unwrap(),
+            );
+            let eps = 1e-5;
+            add_norm_f16(&dev, &mut xd, Some(&od), &wd, &mut out, rows, eps).unwrap();
+            let (sum, normed) = (
+                dev.stream.clone_dtoh(&xd).unwrap(),
+                dev.stream.clone_dtoh(&out).unwrap(),
+            );
+            for r in 0..rows {
+                let v: Vec<f32> = (0..n).map(|i| x[r * n + i] + o[r * n + i]).collect();
+                let rms =
+                    (v.iter().map(|a| (a * a) as f64).sum::<f64>() / n as f64 + eps as f64).sqrt();
+                for i in 0..n {
+                    assert_eq!(sum[r * n + i], v[i], "row {r} column {i}: x + o");
+                    let want = (v[i] as f64 / rms * w[i] as f64) as f32;
+                    let have = normed[r * n + i].to_f32();
+                    assert!(
+                        (have - want).abs() <= 2e-3 * want.abs() + 1e-4,
+                        "row {r} column {i}: {have} vs {want}"
+                    );
+                }
+            }
+        }
+    }
 
     /// Dequantization to f16 (the prompt GEMMs' weights) and embedding rows against the
     /// CPU decoders, for every type, on fresh random blocks.
