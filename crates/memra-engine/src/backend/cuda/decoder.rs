@@ -20,13 +20,15 @@
 //!
 //! [`Runner`]: crate::generate::Runner
 
+use std::collections::{HashMap, HashSet};
+
 use cudarc::driver::CudaSlice;
 use half::f16;
 
 use super::buffers::{BatchBuffers, StepBuffers, Widths, BATCH_DECODE_PARTS, DECODE_PARTS};
 pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS, MAX_MATVEC_ROWS};
 use super::decode::DecodePass;
-use super::graph::DecodeGraph;
+use super::graph::{DecodeGraph, StepGraph};
 use super::ops;
 use super::prompt::{alloc_batch, Logits, PromptPass, RowsOn};
 use super::sampling::{
@@ -68,6 +70,20 @@ pub const GEMM_DECODE_ROWS_MMQ: usize = MAX_DECODE_ROWS + 1;
 /// the seventh group of MAX_DECODE_ROWS on, by the measured costs (a group about 6.2 ms,
 /// the GEMM path dequantizing every matrix about 19 ms plus 0.19 ms a sequence).
 pub const GEMM_DECODE_ROWS_MMQ_DEQUANT: usize = 6 * MAX_DECODE_ROWS + 1;
+
+/// Decode steps of up to this many rows replay with programmatic edges between their
+/// kernels (each launched as its predecessor's blocks finish); the tensor-core kernels of
+/// more rows replay with plain ones. Measured on the H200 (synthetic llama3-8b Q4_K_M,
+/// `bench --batched -npp 128 -ntg 32`): S_TG at 4 / 8 rows 826-840 / 1,105-1,120 with a
+/// programmatic graph against 777 / 1,068 eagerly, but at 16 rows 2,392-2,438 against
+/// 2,533 (the early-launched blocks of the next kernel hold the SMs the 16-row kernels'
+/// later blocks need), and with plain edges 2,704-2,723 against 2,566 (12 rows: 1,899-1,915
+/// against 1,824).
+const PDL_DECODE_ROWS: usize = MAX_MATVEC_ROWS;
+
+/// Graphs of batched decode steps kept at once (each a row count and split count seen
+/// twice); past it they are dropped and captured again as the counts come back.
+const MAX_BATCH_GRAPHS: usize = 64;
 
 /// Whether the decoder keeps f16 copies of the matrices the GEMMs multiply (prompts and
 /// steps of many decodes), besides the quantized ones the mat-vec kernels read.
@@ -122,9 +138,17 @@ pub struct GpuDecoder {
     widths: Widths,
     step: StepBuffers,
     batch: Option<BatchBuffers>,
-    graph: Option<DecodeGraph>,
+    /// Decode steps through the mat-vec kernels, by row count (1 to `decode_rows`); the
+    /// counts seen once (run eagerly).
+    graphs: HashMap<usize, DecodeGraph>,
+    decode_seen: HashSet<usize>,
     /// Replay a captured graph per token (off: launch every kernel; `MEMRA_CUDA_GRAPH=0`).
     use_graph: bool,
+    /// Graphs of decode steps through the GEMMs, by (rows, attention splits); the keys
+    /// seen once (run eagerly); whether capturing them works for this model.
+    batch_graphs: HashMap<(usize, usize), StepGraph>,
+    batch_seen: HashSet<(usize, usize)>,
+    batch_graphs_work: bool,
     /// Decodes in a step from which they take the GEMM path (GEMM_DECODE_ROWS_MMQ or
     /// GEMM_DECODE_ROWS_MMQ_DEQUANT with tensor-core kernels for every matrix, else
     /// GEMM_DECODE_ROWS_F16 with f16 copies, GEMM_DECODE_ROWS without;
@@ -136,8 +160,6 @@ pub struct GpuDecoder {
     /// A prompt batch's decodes take the decode attention kernels (off: the prompt
     /// attention, one query in a tile; `MEMRA_BATCH_DECODE_ATTENTION=0`, to measure both).
     batch_decode_attention: bool,
-    /// One-sequence decode steps run eagerly so far (the graph is captured after the first).
-    eager_steps: usize,
     /// The one-context API's sequence: positions it holds (in blocks 0, 1, ...).
     own_len: usize,
     n_ctx: usize,
@@ -310,13 +332,16 @@ impl GpuDecoder {
             widths,
             step,
             batch,
-            graph: None,
+            graphs: HashMap::new(),
+            decode_seen: HashSet::new(),
             use_graph,
+            batch_graphs: HashMap::new(),
+            batch_seen: HashSet::new(),
+            batch_graphs_work: true,
             gemm_decode_rows,
             decode_rows,
             batch_decode_attention: std::env::var("MEMRA_BATCH_DECODE_ATTENTION")
                 .map_or(true, |v| v != "0"),
-            eager_steps: 0,
             own_len: 0,
             n_ctx,
             buffer_bytes,
@@ -770,9 +795,11 @@ impl GpuDecoder {
         }
     }
 
-    /// A decode step of up to `decode_rows` sequences of one token: by the captured graph
-    /// (one sequence), or eagerly. One row's logits come back as `Logits::Device` with its
-    /// argmax done, several as `Logits::Rows` with every row's argmax.
+    /// A decode step of up to `decode_rows` sequences of one token, by the graph captured
+    /// for its row count (the first step of a count runs eagerly: it loads every kernel and
+    /// surfaces any error outside a capture), or eagerly. One row's logits come back as
+    /// `Logits::Device` with its argmax done, several as `Logits::Rows` with every row's
+    /// argmax.
     fn decode(&mut self, b: &ForwardBatch) -> Result<Logits, CudaError> {
         let rows = b.n_seqs();
         let longest = b.context_len.iter().copied().max().unwrap_or(1) as usize;
@@ -781,45 +808,61 @@ impl GpuDecoder {
             .min(DECODE_PARTS / rows.max(1))
             .max(1);
         self.step.meta.fill(&self.dev, b)?;
-        if rows > 1 {
+        if let Some(graph) = self.graphs.get_mut(&rows) {
+            graph.set_splits(n_split)?;
+            graph.launch()?;
+        } else if !self.use_graph || self.decode_seen.insert(rows) {
             self.record_step(n_split, rows)?;
-            let ids = self.dev.stream.clone_dtoh(&self.step.best.slice(..rows))?;
-            return Ok(Logits::Rows {
-                best: ids.into_iter().map(|b| b as u32).collect(),
-                on: RowsOn::Step,
-            });
+        } else {
+            match self.capture_decode(n_split, rows) {
+                Ok(graph) => {
+                    graph.launch()?;
+                    self.graphs.insert(rows, graph);
+                }
+                Err(e) => {
+                    // The capture ran nothing: this step eagerly, and no more captures.
+                    eprintln!(
+                        "memra: decode steps of {rows} rows run eagerly: capture failed ({e})"
+                    );
+                    self.use_graph = false;
+                    self.record_step(n_split, rows)?;
+                }
+            }
         }
-        if !self.use_graph || self.eager_steps == 0 {
-            // The first step runs eagerly: it loads every kernel and surfaces any error
-            // outside a capture.
-            self.record_step(n_split, rows)?;
-            self.eager_steps += 1;
+        if rows == 1 {
             return Ok(Logits::Device { best: true });
         }
-        if self.graph.is_none() {
-            let attention: Vec<_> = [32, 64, 128, 256]
-                .iter()
-                .map(|&d| {
-                    Ok(self
-                        .dev
-                        .function("attention", ops::decode_kernel(d))?
-                        .cu_function())
-                })
-                .collect::<Result<_, CudaError>>()?;
-            let combine = self
-                .dev
-                .function("attention", "attn_combine")?
-                .cu_function();
-            let (stream, cc) = (self.dev.stream.clone(), self.dev.compute_capability);
-            let graph = DecodeGraph::capture(&stream, cc, n_split, &attention, combine, || {
-                self.record_step(n_split, 1)
-            })?;
-            self.graph = Some(graph);
-        }
-        let graph = self.graph.as_mut().expect("captured above");
-        graph.set_splits(n_split)?;
-        graph.launch()?;
-        Ok(Logits::Device { best: true })
+        let ids = self.dev.stream.clone_dtoh(&self.step.best.slice(..rows))?;
+        Ok(Logits::Rows {
+            best: ids.into_iter().map(|b| b as u32).collect(),
+            on: RowsOn::Step,
+        })
+    }
+
+    /// The decode step of `rows` sequences as a graph (`n_split` attention splits, which
+    /// it rewrites as contexts grow).
+    fn capture_decode(&mut self, n_split: usize, rows: usize) -> Result<DecodeGraph, CudaError> {
+        let attention: Vec<_> = [32, 64, 128, 256]
+            .iter()
+            .map(|&d| {
+                Ok(self
+                    .dev
+                    .function("attention", ops::decode_kernel(d))?
+                    .cu_function())
+            })
+            .collect::<Result<_, CudaError>>()?;
+        let combine = self
+            .dev
+            .function("attention", "attn_combine")?
+            .cu_function();
+        let (stream, cc) = (self.dev.stream.clone(), self.dev.compute_capability);
+        let ours = match rows <= PDL_DECODE_ROWS {
+            true => self.dev.loaded_functions(),
+            false => HashSet::new(),
+        };
+        DecodeGraph::capture(&stream, cc, &ours, n_split, &attention, combine, || {
+            self.record_step(n_split, rows)
+        })
     }
 
     /// Launches the kernels of a decode step of `rows` sequences (what the graph captures
@@ -848,6 +891,11 @@ impl GpuDecoder {
     /// A batch of up to MAX_BATCH prompt tokens (chunks of any number of sequences); returns
     /// the logits of its `logit_rows`.
     /// `host_logits`: every row's logits go to the host (all its picks ask for them).
+    ///
+    /// A step of decodes alone, every row's greedy pick wanted (the steady state of many
+    /// sequences generating), replays a graph captured for its row and split counts: the
+    /// second time a count is seen (the first runs eagerly and sizes the buffers), so the
+    /// host launches one graph instead of ~700 kernels and GEMMs.
     fn prefill(&mut self, b: &ForwardBatch, host_logits: bool) -> Result<Logits, CudaError> {
         if self.batch.is_none() {
             let buffers = alloc_batch(&self.dev, &self.w, &self.widths, self.max_blocks)?;
@@ -868,17 +916,115 @@ impl GpuDecoder {
         let decode_split = ops::decode_splits(decode_ctx as usize)
             .min(BATCH_DECODE_PARTS / decodes.max(1))
             .max(1);
+        let n = b.n_tokens();
+        let every_row = b.logit_rows.len() == n
+            && b.logit_rows
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == i);
+        let graphable = self.use_graph
+            && self.batch_graphs_work
+            && decodes == n
+            && n > MAX_MATVEC_ROWS
+            && every_row
+            && !host_logits;
+        let key = (n, decode_split);
+        if graphable {
+            if let Some(g) = self.batch_graphs.get(&key) {
+                g.launch()?;
+                return self.batch_ids(n);
+            }
+            if self.batch_seen.contains(&key) {
+                match self.capture_batch(b, decodes, decode_split) {
+                    Ok(g) => {
+                        g.launch()?;
+                        if self.batch_graphs.len() >= MAX_BATCH_GRAPHS {
+                            self.batch_graphs.clear();
+                        }
+                        self.batch_graphs.insert(key, g);
+                        return self.batch_ids(n);
+                    }
+                    Err(e) => {
+                        // Something in the step synchronizes or allocates: eagerly from
+                        // now on (the capture ran nothing).
+                        eprintln!("memra: batched decode steps run eagerly: capture failed ({e})");
+                        self.batch_graphs_work = false;
+                    }
+                }
+            }
+            self.batch_seen.insert(key);
+        }
+        let mut pass = self.prompt_pass(b, decodes, decode_split, host_logits, false);
+        let hp = pass.hp;
+        forward(hp, &mut pass)?;
+        let (grown, logits) = (pass.grown, pass.logits.take());
+        if grown > 0 {
+            // A larger logits buffer: the captured graphs point at the old one.
+            self.batch_graphs.clear();
+            self.buffer_bytes += grown;
+        }
+        Ok(logits.expect("the head ran"))
+    }
+
+    /// Captures the pass of `b` (decodes alone, every row's argmax wanted) as a graph; its
+    /// ids stay in the batch buffers' `best`.
+    fn capture_batch(
+        &mut self,
+        b: &ForwardBatch,
+        decodes: usize,
+        decode_split: usize,
+    ) -> Result<StepGraph, CudaError> {
+        let rows = b.n_tokens() * self.hp.n_vocab;
+        let bb = self.batch.as_ref().expect("allocated by prefill");
+        if bb.logits.as_ref().is_none_or(|l| l.len() < rows) {
+            return Err(CudaError::Invalid(
+                "the logits buffer is not sized yet".into(),
+            ));
+        }
+        let (stream, cc) = (self.dev.stream.clone(), self.dev.compute_capability);
+        let ours = self.dev.loaded_functions();
+        let mut pass = self.prompt_pass(b, decodes, decode_split, false, true);
+        let hp = pass.hp;
+        StepGraph::capture(&stream, cc, &ours, || {
+            forward(hp, &mut pass)?;
+            match pass.grown {
+                0 => Ok(()),
+                _ => Err(CudaError::Invalid("the captured step allocated".into())),
+            }
+        })
+    }
+
+    /// The argmaxes of the first `n` rows of a batch's logits, left on the device by a
+    /// graph.
+    fn batch_ids(&mut self, n: usize) -> Result<Logits, CudaError> {
+        let bb = self.batch.as_ref().expect("allocated by prefill");
+        let ids = self.dev.stream.clone_dtoh(&bb.best.slice(..n))?;
+        Ok(Logits::Rows {
+            best: ids.into_iter().map(|b| b as u32).collect(),
+            on: RowsOn::Batch,
+        })
+    }
+
+    /// The launches of a prompt batch over `b` (its meta on the device already).
+    fn prompt_pass(
+        &mut self,
+        b: &ForwardBatch,
+        decodes: usize,
+        decode_split: usize,
+        host_logits: bool,
+        ids_later: bool,
+    ) -> PromptPass<'_> {
         let longest = (decodes..b.n_seqs())
             .map(|s| b.seq_tokens(s).len())
             .max()
             .unwrap_or(1);
-        let mut pass = PromptPass {
+        PromptPass {
             dev: &self.dev,
             hp: &self.hp,
             w: &self.w,
             k_cache: &mut self.k_cache,
             v_cache: &mut self.v_cache,
-            bb,
+            bb: self.batch.as_mut().expect("allocated by prefill"),
             step: &mut self.step,
             n: b.n_tokens(),
             n_seqs: b.n_seqs(),
@@ -892,13 +1038,11 @@ impl GpuDecoder {
             gelu: self.gelu,
             softcap: self.softcap,
             host_logits,
+            ids_later,
             pending: false,
             logits: None,
             grown: 0,
-        };
-        forward(&self.hp, &mut pass)?;
-        self.buffer_bytes += pass.grown;
-        Ok(pass.logits.expect("the head ran"))
+        }
     }
 }
 

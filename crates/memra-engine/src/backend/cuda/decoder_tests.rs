@@ -510,6 +510,102 @@ fn gpu_engine_batches_equal_alone() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Decode steps replay graphs captured per row count (and, through the GEMMs, split
+/// count): greedy steps of 20 sequences through the GEMMs (then 18, then 20 again, and
+/// past a split change), and of 12 (then 10) through the mat-vec kernels, give exactly the
+/// ids (and the GEMM steps the logits) that the same steps give launched eagerly.
+#[test]
+#[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
+fn gpu_decode_graphs_equal_eager_steps() {
+    let mut failures = Vec::new();
+    for path in test_models() {
+        let model = Model::load(std::path::Path::new(&path)).unwrap();
+        let (most, ctx, steps) = (20usize, 256usize, 70usize);
+        let prompts: Vec<Vec<u32>> = (0..most)
+            .map(|i| {
+                let p = PROMPTS[i % 3];
+                let text = format!("{p} {}", "and so on ".repeat(i % 4));
+                model.tokenizer.encode(&text, true, true).unwrap()
+            })
+            .collect();
+        let per = ctx / BLOCK_SIZE;
+        let tables: Vec<Vec<u32>> = (0..most)
+            .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
+            .collect();
+        // (ids, the last step's logits through the GEMMs, graphs captured).
+        let run = |graphs: bool, rows: usize, gemm_rows: usize| {
+            let pool = PoolSize::Tokens(most * ctx);
+            let mut gpu = GpuDecoder::with_pool(0, &model.decoder, ctx, pool).unwrap();
+            gpu.use_graph = graphs;
+            gpu.gemm_decode_rows = gemm_rows;
+            let mut next = Vec::new();
+            for (s, p) in prompts[..rows].iter().enumerate() {
+                let mut b = ForwardBatch::new(BLOCK_SIZE);
+                b.push(p, 0, &tables[s], [p.len() - 1]);
+                match &gpu.forward_step(&b, &mut [RowPick::Greedy]).unwrap()[0] {
+                    RowOut::Token(t) => next.push(*t),
+                    _ => panic!("a greedy pick"),
+                }
+            }
+            let mut lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+            let mut ids = vec![Vec::new(); rows];
+            for step in 0..steps {
+                // Two rows fewer for a few steps: another graph, then back to the first.
+                let live = if (10..14).contains(&step) {
+                    rows - 2
+                } else {
+                    rows
+                };
+                let mut b = ForwardBatch::new(BLOCK_SIZE);
+                for s in 0..live {
+                    b.push(&[next[s]], lens[s], &tables[s], [0]);
+                }
+                let mut picks: Vec<RowPick> = (0..live).map(|_| RowPick::Greedy).collect();
+                let out = gpu.forward_step(&b, &mut picks).unwrap();
+                for (s, o) in out.iter().enumerate() {
+                    let RowOut::Token(t) = o else {
+                        panic!("a greedy pick")
+                    };
+                    ids[s].push(*t);
+                    next[s] = *t;
+                    lens[s] += 1;
+                }
+            }
+            let nv = gpu.hp.n_vocab;
+            let logits = match gpu.batch.as_ref().and_then(|bb| bb.logits.as_ref()) {
+                Some(l) if gemm_rows <= rows => {
+                    gpu.dev.stream.clone_dtoh(&l.slice(..rows * nv)).unwrap()
+                }
+                _ => Vec::new(),
+            };
+            (ids, logits, gpu.batch_graphs.len() + gpu.graphs.len())
+        };
+        // Through the GEMMs from 17 rows on; through the mat-vec kernels always.
+        for (rows, gemm_rows, want_graphs) in [(most, 17, 3), (12, usize::MAX, 2)] {
+            let (eager, eager_logits, none) = run(false, rows, gemm_rows);
+            let (graphed, graph_logits, captured) = run(true, rows, gemm_rows);
+            eprintln!("{path}: {rows} rows: {captured} step graphs captured");
+            if none != 0 || captured < want_graphs {
+                failures.push(format!(
+                    "{path}: {rows} rows: {none} graphs eagerly, {captured} with graphs \
+                     (want {want_graphs} or more)"
+                ));
+            }
+            if eager != graphed {
+                failures.push(format!(
+                    "{path}: {rows} rows: graphed ids differ from eager ones"
+                ));
+            }
+            if eager_logits != graph_logits {
+                failures.push(format!(
+                    "{path}: {rows} rows: the last step's logits differ"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Constrained decoding on the GPU through the engine: 32 sequences at once (so decode
 /// steps take both the mat-vec and the GEMM path), every other one held to a bounded JSON
 /// schema, greedy and sampled: each constrained output is JSON matching the schema and

@@ -14,7 +14,13 @@ use super::{CudaDevice, CudaError};
 
 pub struct Gemm {
     blas: CudaBlas,
+    /// cuBLAS's workspace, ours: without one set, a captured GEMM takes memory of its own
+    /// inside each graph.
+    _workspace: CudaSlice<u8>,
 }
+
+/// The workspace cuBLAS asks for on Hopper (its documentation's 32 MiB).
+const WORKSPACE_BYTES: usize = 32 << 20;
 
 fn blas_err(e: blas::CublasError) -> CudaError {
     CudaError::Invalid(format!("cuBLAS: {e:?}"))
@@ -29,7 +35,21 @@ impl Gemm {
             return Err(CudaError::NoCublas);
         }
         let blas = CudaBlas::new(dev.stream.clone()).map_err(blas_err)?;
-        Ok(Gemm { blas })
+        let mut workspace = dev.stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        {
+            let (wp, _w) = workspace.device_ptr_mut(&dev.stream);
+            // SAFETY: the buffer lives as long as the handle (both are Gemm's; the handle
+            // drops first, fields in order) and is only used on the handle's stream.
+            unsafe {
+                sys::cublasSetWorkspace_v2(*blas.handle(), wp as *mut _, WORKSPACE_BYTES)
+                    .result()
+                    .map_err(blas_err)?;
+            }
+        }
+        Ok(Gemm {
+            blas,
+            _workspace: workspace,
+        })
     }
 
     /// `y[t][r] = sum_i w[r][i] * x[t][i]` for `t < n`, `r < m`, `i < k`: `w` is `m x k`

@@ -1,4 +1,7 @@
-//! The decode step as a CUDA graph: captured once, replayed for every token.
+//! Steps as CUDA graphs: captured once, replayed for every token. [`StepGraph`] is one
+//! captured step; [`DecodeGraph`] is the one-sequence decode step, whose attention splits
+//! are rewritten in place as the context grows. (The decoder keeps a `StepGraph` per row
+//! count and split count for the steps of many decodes through the GEMMs.)
 //!
 //! What changes from token to token is read on the device (the token id and its position
 //! live in a small buffer the host writes before each replay), except the split count of
@@ -7,12 +10,13 @@
 //! the instantiated graph are rewritten in place with `cuGraphExecKernelNodeSetParams`
 //! instead of capturing again.
 //!
-//! On sm_90 and later the edges between kernels are made programmatic before the graph is
+//! On sm_90 and later the edges into our kernels are made programmatic before the graph is
 //! instantiated (programmatic dependent launch): a kernel is launched while its
 //! predecessor's last blocks still run, and waits for it on the device (`PDL_WAIT` at the
 //! start of every kernel), which hides most of the launch gap between the step's ~450
-//! kernels.
+//! kernels. An edge into a cuBLAS kernel stays a full dependency: those do not wait.
 
+use std::collections::HashSet;
 use std::ffi::c_void;
 
 use cudarc::driver::sys::{
@@ -36,10 +40,15 @@ struct KernelNode {
     params: CUDA_KERNEL_NODE_PARAMS,
 }
 
-pub struct DecodeGraph {
+/// A captured and instantiated step.
+pub struct StepGraph {
     graph: CUgraph,
     exec: CUgraphExec,
     stream: std::sync::Arc<CudaStream>,
+}
+
+pub struct DecodeGraph {
+    step: StepGraph,
     /// Each layer's decode attention node and its combine node, in capture order.
     attention: Vec<(KernelNode, KernelNode)>,
     n_split: usize,
@@ -48,25 +57,24 @@ pub struct DecodeGraph {
 // SAFETY: the graph's handles belong to the driver and may be used from any thread whose
 // current context is the decoder's (the engine thread binds it before its first step); the
 // node parameters point at the driver's copies of the captured arguments, which live as
-// long as the graph. A DecodeGraph has one owner at a time (it is not Sync).
+// long as the graph. A graph has one owner at a time (it is not Sync).
+unsafe impl Send for StepGraph {}
 unsafe impl Send for DecodeGraph {}
 
 fn check(r: sys::CUresult) -> Result<(), CudaError> {
     r.result().map_err(CudaError::Driver)
 }
 
-impl DecodeGraph {
+impl StepGraph {
     /// Captures the launches `record` makes on `stream` (nothing may allocate or
-    /// synchronize there), captured with `n_split` attention splits. `attention` and
-    /// `combine` are the two attention kernels whose split count is rewritten later.
+    /// synchronize there). `ours`: the kernels that wait for their predecessor on the
+    /// device (`PDL_WAIT`), whose incoming edges may be programmatic.
     pub fn capture(
         stream: &std::sync::Arc<CudaStream>,
         compute_capability: (i32, i32),
-        n_split: usize,
-        attention: &[CUfunction],
-        combine: CUfunction,
+        ours: &HashSet<CUfunction>,
         record: impl FnOnce() -> Result<(), CudaError>,
-    ) -> Result<DecodeGraph, CudaError> {
+    ) -> Result<StepGraph, CudaError> {
         let s = stream;
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let recorded = record();
@@ -88,42 +96,52 @@ impl DecodeGraph {
         }
         let built = (|| {
             if compute_capability.0 >= 9 {
-                make_edges_programmatic(graph)?;
+                make_edges_programmatic(graph, ours)?;
             }
             let mut exec: CUgraphExec = std::ptr::null_mut();
             // SAFETY: a complete graph; the exec is destroyed with it (Drop).
             unsafe { check(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0))? };
             Ok(exec)
         })();
-        let exec = match built {
-            Ok(exec) => exec,
+        match built {
+            Ok(exec) => Ok(StepGraph {
+                graph,
+                exec,
+                stream: s.clone(),
+            }),
             Err(e) => {
                 destroy(graph);
-                return Err(e);
+                Err(e)
             }
-        };
-        let mut this = DecodeGraph {
-            graph,
-            exec,
-            stream: s.clone(),
-            attention: Vec::new(),
-            n_split,
-        };
-        // The kernel nodes in capture order: one stream records a chain, and the driver
-        // lists a captured graph's nodes in the order they were added.
+        }
+    }
+
+    pub fn launch(&self) -> Result<(), CudaError> {
+        // SAFETY: the exec is live; the stream is the one the graph was captured on.
+        unsafe { check(sys::cuGraphLaunch(self.exec, self.stream.cu_stream())) }
+    }
+
+    /// The kernel nodes in capture order: one stream records a chain, and the driver
+    /// lists a captured graph's nodes in the order they were added.
+    fn kernel_nodes(&self) -> Result<Vec<KernelNode>, CudaError> {
         let mut count = 0usize;
         // SAFETY: the graph is live; the first call asks for the count, the second fills.
         unsafe {
             check(sys::cuGraphGetNodes(
-                graph,
+                self.graph,
                 std::ptr::null_mut(),
                 &mut count,
             ))?
         };
         let mut nodes = vec![std::ptr::null_mut(); count];
-        unsafe { check(sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count))? };
-        let mut mains = Vec::new();
-        let mut combines = Vec::new();
+        unsafe {
+            check(sys::cuGraphGetNodes(
+                self.graph,
+                nodes.as_mut_ptr(),
+                &mut count,
+            ))?
+        };
+        let mut kernels = Vec::new();
         for node in nodes {
             let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
             // SAFETY: node belongs to the live graph.
@@ -134,10 +152,32 @@ impl DecodeGraph {
             // SAFETY: a kernel node; the params' argument array is owned by the graph.
             let mut params: CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
             unsafe { check(sys::cuGraphKernelNodeGetParams_v2(node, &mut params))? };
-            if attention.contains(&params.func) {
-                mains.push(KernelNode { node, params });
-            } else if params.func == combine {
-                combines.push(KernelNode { node, params });
+            kernels.push(KernelNode { node, params });
+        }
+        Ok(kernels)
+    }
+}
+
+impl DecodeGraph {
+    /// Captures the one-sequence step `record` launches (as [`StepGraph::capture`]), with
+    /// `n_split` attention splits. `attention` and `combine` are the two attention kernels
+    /// whose split count is rewritten later.
+    pub fn capture(
+        stream: &std::sync::Arc<CudaStream>,
+        compute_capability: (i32, i32),
+        ours: &HashSet<CUfunction>,
+        n_split: usize,
+        attention: &[CUfunction],
+        combine: CUfunction,
+        record: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<DecodeGraph, CudaError> {
+        let step = StepGraph::capture(stream, compute_capability, ours, record)?;
+        let (mut mains, mut combines) = (Vec::new(), Vec::new());
+        for k in step.kernel_nodes()? {
+            if attention.contains(&k.params.func) {
+                mains.push(k);
+            } else if k.params.func == combine {
+                combines.push(k);
             }
         }
         if mains.len() != combines.len() || mains.is_empty() {
@@ -147,8 +187,11 @@ impl DecodeGraph {
                 combines.len()
             )));
         }
-        this.attention = mains.into_iter().zip(combines).collect();
-        Ok(this)
+        Ok(DecodeGraph {
+            step,
+            attention: mains.into_iter().zip(combines).collect(),
+            n_split,
+        })
     }
 
     /// Rewrites the attention nodes for `n_split` splits (nothing when unchanged).
@@ -156,7 +199,7 @@ impl DecodeGraph {
         if n_split == self.n_split {
             return Ok(());
         }
-        let exec = self.exec;
+        let exec = self.step.exec;
         let mut value = n_split as i32;
         for (main, combine) in &self.attention {
             for (k, arity, at, grid_y) in [
@@ -175,8 +218,9 @@ impl DecodeGraph {
                     params.gridDimY = n_split as u32;
                     // SAFETY: the captured arguments at these indices are the i32 head counts.
                     let [nh, nkv] = DECODE_HEADS_ARGS.map(|i| unsafe { *(args[i] as *const i32) });
+                    let seqs = params.gridDimZ as usize;
                     params.gridDimX =
-                        super::ops::decode_grid_x(nh as usize, nkv as usize, n_split, 1) as u32;
+                        super::ops::decode_grid_x(nh as usize, nkv as usize, n_split, seqs) as u32;
                 }
                 // SAFETY: same kernel, same topology; the arguments are read during the call.
                 unsafe {
@@ -191,12 +235,11 @@ impl DecodeGraph {
     }
 
     pub fn launch(&self) -> Result<(), CudaError> {
-        // SAFETY: the exec is live; the stream is the one the graph was captured on.
-        unsafe { check(sys::cuGraphLaunch(self.exec, self.stream.cu_stream())) }
+        self.step.launch()
     }
 }
 
-impl Drop for DecodeGraph {
+impl Drop for StepGraph {
     fn drop(&mut self) {
         // SAFETY: both were created for this graph alone; nothing runs after the stream
         // is synchronized.
@@ -208,9 +251,10 @@ impl Drop for DecodeGraph {
     }
 }
 
-/// Turns every kernel-to-kernel edge of `graph` into a programmatic one (the successor may
-/// launch as its predecessor's blocks finish; it waits on the device before reading).
-fn make_edges_programmatic(graph: CUgraph) -> Result<(), CudaError> {
+/// Turns every kernel-to-kernel edge of `graph` whose successor is one of `ours` into a
+/// programmatic one (the successor may launch as its predecessor's blocks finish; it waits
+/// on the device before reading).
+fn make_edges_programmatic(graph: CUgraph, ours: &HashSet<CUfunction>) -> Result<(), CudaError> {
     let mut n = 0usize;
     // SAFETY: the graph is live and not instantiated yet; the first call counts the edges.
     unsafe {
@@ -240,8 +284,14 @@ fn make_edges_programmatic(graph: CUgraph) -> Result<(), CudaError> {
         unsafe { check(sys::cuGraphNodeGetType(node, &mut ty))? };
         Ok(ty == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL)
     };
+    let waits = |node: CUgraphNode| -> Result<bool, CudaError> {
+        // SAFETY: a kernel node of the live graph.
+        let mut params: CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+        unsafe { check(sys::cuGraphKernelNodeGetParams_v2(node, &mut params))? };
+        Ok(ours.contains(&params.func))
+    };
     for i in 0..n {
-        if !(is_kernel(from[i])? && is_kernel(to[i])?) {
+        if !(is_kernel(from[i])? && is_kernel(to[i])? && waits(to[i])?) {
             continue;
         }
         let mut programmatic = data[i];

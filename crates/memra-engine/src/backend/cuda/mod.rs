@@ -202,6 +202,13 @@ impl CudaDevice {
         cache.insert(key, f.clone());
         Ok(f)
     }
+
+    /// The kernels of our families looked up so far (every one a step launches, once it
+    /// has run eagerly): the ones a captured graph may launch programmatically.
+    pub fn loaded_functions(&self) -> std::collections::HashSet<cudarc::driver::sys::CUfunction> {
+        let cache = self.functions.lock().expect("function cache lock");
+        cache.values().map(|f| f.cu_function()).collect()
+    }
 }
 
 impl Drop for CudaDevice {

@@ -73,6 +73,9 @@ pub(super) struct PromptPass<'a> {
     pub softcap: Option<f32>,
     /// Every row's logits go to the host (all that the picks ask for), in one copy.
     pub host_logits: bool,
+    /// The rows' argmaxes stay in `bb.best` (the pass is being captured into a graph,
+    /// where nothing may copy to the host): the head's result has no ids.
+    pub ids_later: bool,
     /// `bb.o` holds a block's output not yet added to the residual stream.
     pub pending: bool,
     /// The head's result, and device bytes it allocated (a larger logits buffer).
@@ -350,7 +353,10 @@ impl LayerOps for PromptPass<'_> {
         }
         // The rows stay on the device; their greedy picks in one launch, only ids back.
         argmax_rows(dev, logits, r, nv, &mut bb.best)?;
-        let best = dev.stream.clone_dtoh(&bb.best.slice(..r))?;
+        let best = match self.ids_later {
+            true => Vec::new(),
+            false => dev.stream.clone_dtoh(&bb.best.slice(..r))?,
+        };
         self.logits = Some(Logits::Rows {
             best: best.into_iter().map(|b| b as u32).collect(),
             on: RowsOn::Batch,
