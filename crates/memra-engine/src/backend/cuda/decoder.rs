@@ -8,12 +8,12 @@
 //! (`models/forward.rs`) over their own operations:
 //! - one token (decode, `decode.rs`): int8 activations and the `mmvq` kernels (dp4a up to 8
 //!   sequences, the int8 tensor cores up to [`MAX_DECODE_ROWS`]), split-K paged attention;
-//!   for one sequence the whole step is a CUDA graph captured once and replayed
-//!   (`graph.rs`), so only the batch arrays go in and one id (or the logits, when the host
-//!   samples) comes out;
+//!   the whole step is a CUDA graph captured once per row count and replayed
+//!   (`graph.rs`), so only the batch arrays go in and the ids (or the logits, when the host
+//!   samples) come out;
 //! - several tokens (prompt chunks, perplexity; `prompt.rs`): batches of up to
 //!   [`MAX_BATCH`] tokens through f16 GEMMs on dequantized weights and paged flash
-//!   attention.
+//!   attention; a step of many decodes alone replays a graph per row and split count.
 //!
 //! The one-context API (`forward`, `forward_greedy`, `forward_sample`: the [`Runner`] of
 //! `memra bench`, the GPU tests) is a sequence that holds blocks 0, 1, 2, ... in order.
