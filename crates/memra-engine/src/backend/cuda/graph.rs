@@ -1,7 +1,8 @@
 //! Steps as CUDA graphs: captured once, replayed for every token. [`StepGraph`] is one
-//! captured step; [`DecodeGraph`] is the one-sequence decode step, whose attention splits
-//! are rewritten in place as the context grows. (The decoder keeps a `StepGraph` per row
-//! count and split count for the steps of many decodes through the GEMMs.)
+//! captured step; [`DecodeGraph`] is a decode step through the mat-vec kernels (one per
+//! row count), whose attention splits are rewritten in place as contexts grow. (The
+//! decoder keeps a `StepGraph` per row count and split count for the steps of many decodes
+//! through the GEMMs.)
 //!
 //! What changes from token to token is read on the device (the token id and its position
 //! live in a small buffer the host writes before each replay), except the split count of
@@ -159,7 +160,7 @@ impl StepGraph {
 }
 
 impl DecodeGraph {
-    /// Captures the one-sequence step `record` launches (as [`StepGraph::capture`]), with
+    /// Captures the decode step `record` launches (as [`StepGraph::capture`]), with
     /// `n_split` attention splits. `attention` and `combine` are the two attention kernels
     /// whose split count is rewritten later.
     pub fn capture(
