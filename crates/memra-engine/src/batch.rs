@@ -59,9 +59,11 @@ pub struct ForwardBatch {
     pub block_tables: Vec<BlockId>,
     /// Tokens whose logits the step returns, in order `[R]`.
     pub logit_rows: Vec<u32>,
-    /// Sequences whose tokens are a speculative verify step (the last token and its
-    /// drafts); a backend may compute them as it computes decodes (the GPU does).
-    pub verify: Vec<usize>,
+    /// Sequences of a few tokens that a backend may compute as decodes, each token a row
+    /// at its own position (the GPU does while the rows fit its mat-vec kernels): a
+    /// speculative verify step (the last token and its drafts), a draft model catching up
+    /// with the tokens verified since its last step.
+    pub as_decodes: Vec<usize>,
 }
 
 impl ForwardBatch {
@@ -126,13 +128,14 @@ impl ForwardBatch {
         self.query_start[s] as usize..self.query_start[s + 1] as usize
     }
 
-    /// Marks the last sequence pushed as a verify step ([`ForwardBatch::verify`]).
-    pub fn mark_verify(&mut self) {
-        self.verify.push(self.n_seqs() - 1);
+    /// Marks the last sequence pushed as one to compute as decodes
+    /// ([`ForwardBatch::as_decodes`]).
+    pub fn mark_as_decodes(&mut self) {
+        self.as_decodes.push(self.n_seqs() - 1);
     }
 
-    pub fn is_verify(&self, s: usize) -> bool {
-        self.verify.contains(&s)
+    pub fn is_as_decodes(&self, s: usize) -> bool {
+        self.as_decodes.contains(&s)
     }
 
     /// Sequence `s`'s block table.

@@ -239,6 +239,51 @@ fn preemption_in_a_small_pool_loses_and_duplicates_nothing() {
             assert_eq!(ids, w, "{name}: prompt {i}");
         }
         eprintln!("{name}: {preemptions} preemptions, every sequence complete and unchanged");
+        // Scoring requests (completions' echo with logprobs) preempted: their prompt is
+        // recomputed, its scores go out once.
+        let mut scored = reqs.clone();
+        scored
+            .iter_mut()
+            .for_each(|r| r.params.score_from = Some(0));
+        let handles: Vec<_> = scored
+            .iter()
+            .map(|r| e.submit(r.clone()).unwrap())
+            .collect();
+        let mut preempted = 0;
+        for ((h, p), w) in handles.into_iter().zip(&ps).zip(&want) {
+            let events: Vec<Event> = h.collect();
+            let scores: Vec<&Vec<_>> = events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::PromptScores(s) => Some(s),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(scores.len(), 1, "{name}: scores sent once");
+            assert_eq!(scores[0].len(), p.len() - 1);
+            assert!(scores[0]
+                .iter()
+                .all(|s| s.logprob <= 0.0 && s.logprob.is_finite()));
+            let ids: Vec<u32> = events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Token(t) => Some(t.id),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(&ids, w, "{name}: scored and generated");
+            preempted += events
+                .iter()
+                .map(|e| match e {
+                    Event::Finished { usage, .. } => usage.preemptions,
+                    _ => 0,
+                })
+                .sum::<usize>();
+        }
+        assert!(
+            preempted > 0,
+            "{name}: the scoring requests were meant to be preempted"
+        );
     }
 }
 
@@ -325,16 +370,50 @@ fn stop_strings_logprobs_and_scores() {
         })
         .unwrap();
     assert_eq!(scores.len(), prompt.len() - 1 - from);
-    for (k, &s) in scores.iter().enumerate() {
+    let log_softmax = |k: usize| -> Vec<f32> {
         let row = &logits[(from + k) * nv..(from + k + 1) * nv];
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let lse = max + row.iter().map(|&v| (v - max).exp()).sum::<f32>().ln();
-        let want = row[prompt[from + k + 1] as usize] - lse;
+        row.iter().map(|&v| v - lse).collect()
+    };
+    for (k, s) in scores.iter().enumerate() {
+        let want = log_softmax(k)[prompt[from + k + 1] as usize];
+        let got = s.logprob;
         assert!(
-            (s - want).abs() < 1e-3,
-            "position {}: {s} vs {want}",
+            (got - want).abs() < 1e-3,
+            "position {}: {got} vs {want}",
             from + k
         );
+        assert!(s.top_logprobs.is_empty(), "no alternatives asked");
+    }
+    // With `logprobs` (completions' echo): each position's best alternatives too, and
+    // the scores come before the first generated token.
+    let mut r = request(prompt, 2, greedy_config());
+    r.params.score_from = Some(from);
+    r.params.logprobs = Some(3);
+    r.params.ignore_eos = true;
+    let events: Vec<Event> = e.submit(r).unwrap().collect();
+    let at = |f: fn(&Event) -> bool| events.iter().position(f).unwrap();
+    assert!(at(|e| matches!(e, Event::PromptScores(_))) < at(|e| matches!(e, Event::Token(_))));
+    let Some(Event::PromptScores(scores)) =
+        events.iter().find(|e| matches!(e, Event::PromptScores(_)))
+    else {
+        unreachable!()
+    };
+    for (k, s) in scores.iter().enumerate() {
+        let ls = log_softmax(k);
+        let mut best: Vec<u32> = (0..nv as u32).collect();
+        best.sort_by(|&a, &b| ls[b as usize].total_cmp(&ls[a as usize]));
+        assert_eq!(s.top_logprobs.len(), 3);
+        for (&(id, lp), &want) in s.top_logprobs.iter().zip(&best) {
+            assert!(
+                (lp - ls[want as usize]).abs() < 1e-3,
+                "position {}",
+                from + k
+            );
+            // Near-ties may order otherwise than the reference's rounding.
+            assert!(id == want || (ls[id as usize] - ls[want as usize]).abs() < 1e-3);
+        }
     }
 }
 

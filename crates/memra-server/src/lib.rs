@@ -24,7 +24,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -273,6 +273,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
@@ -344,27 +345,48 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// The served model as `/v1/models` lists it.
+fn model_object(st: &AppState, r: &Ready) -> Value {
+    let model = r.engine.model();
+    json!({
+        "id": st.config.model_id,
+        "object": "model",
+        "created": r.created,
+        "owned_by": "memra",
+        "meta": {
+            "architecture": model.arch,
+            "name": model.name,
+            "n_params": model.n_params,
+            "size": model.file.file_size(),
+            "n_vocab": model.tokenizer.n_vocab(),
+            "n_ctx": r.engine.info().n_ctx,
+            "n_ctx_train": model.decoder.hp.n_ctx_train,
+        },
+    })
+}
+
 async fn models(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let r = st.ready()?;
-    let model = r.engine.model();
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": st.config.model_id,
-            "object": "model",
-            "created": r.created,
-            "owned_by": "memra",
-            "meta": {
-                "architecture": model.arch,
-                "name": model.name,
-                "n_params": model.n_params,
-                "size": model.file.file_size(),
-                "n_vocab": model.tokenizer.n_vocab(),
-                "n_ctx": r.engine.info().n_ctx,
-                "n_ctx_train": model.decoder.hp.n_ctx_train,
-            },
-        }],
-    })))
+    Ok(Json(
+        json!({"object": "list", "data": [model_object(&st, r)]}),
+    ))
+}
+
+/// `GET /v1/models/{id}` (the client's `models.retrieve`): the model, or 404 for another
+/// id. The id may hold slashes (`org/name` aliases), hence the wildcard.
+async fn model(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let r = st.ready()?;
+    if id != st.config.model_id {
+        return Err(ApiError {
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            ..ApiError::not_found(format!("The model '{id}' does not exist"))
+        });
+    }
+    Ok(Json(model_object(&st, r)))
 }
 
 /// The body as JSON; a body over the limit is a 413, malformed JSON a 400.

@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use memra_engine::constraint::{Constraint, Grammar};
 use memra_engine::engine::{
-    Engine, Event, FinishReason, GenerationParams, Request, TokenEvent, Usage,
+    Engine, Event, FinishReason, GenerationParams, PromptScore, Request, TokenEvent, Usage,
 };
 use memra_engine::models::Model;
 use memra_engine::scheduler::SeqId;
@@ -58,7 +58,8 @@ struct Job {
     /// The prompt of each choice.
     prompt_of: Vec<usize>,
     prompt_lens: Vec<usize>,
-    /// Completions with `echo`: each prompt's text, which starts its choices' text.
+    /// Completions with `echo`: each prompt's text, which starts its choices' text (and,
+    /// with `logprobs`, its tokens start the choices' log-probabilities).
     echo: Vec<String>,
     stream: bool,
     include_usage: bool,
@@ -121,7 +122,8 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
         tok.encode(text, add_bos, true)
             .map_err(|e| ApiError::invalid(field, e.to_string()))
     };
-    let (prompts, echo, field) = match ep {
+    let echo = ep == Endpoint::Completions && f.bool("echo")?.unwrap_or(false);
+    let (prompts, echo_texts, field) = match ep {
         Endpoint::Chat => {
             let mut messages = params::messages(&f)?;
             // With `tool_choice: none` the model is not told of the tools.
@@ -153,7 +155,6 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
             )
         }
         Endpoint::Completions => {
-            let echo = f.bool("echo")?.unwrap_or(false);
             let mut ids = Vec::new();
             let mut texts = Vec::new();
             for p in params::prompts(&f)? {
@@ -198,6 +199,13 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
             (None, Endpoint::Chat) => rest,
             (None, Endpoint::Completions) => params::COMPLETIONS_DEFAULT_MAX_TOKENS.min(rest),
         };
+        // Echoed with log-probabilities: every prompt token's but the first is scored (lm-eval's
+        // loglikelihood requests); echoed with no tokens to generate: nothing is scored.
+        let score_from = match (echo, c.logprobs, max_tokens) {
+            (true, Some(_), _) => Some(0),
+            (_, _, 0) => Some(prompt.len() - 1),
+            _ => None,
+        };
         for i in 0..c.n {
             let request = Request {
                 prompt: prompt.clone(),
@@ -207,7 +215,7 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
                     stop: c.stop.clone(),
                     ignore_eos: c.ignore_eos,
                     logprobs: c.logprobs,
-                    score_from: None,
+                    score_from,
                     constraint: constraint.clone(),
                     draft_max: c.draft_max,
                     draft_min: c.draft_min,
@@ -231,7 +239,7 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
         prompt_lens: prompts.iter().map(Vec::len).collect(),
         choices,
         prompt_of,
-        echo,
+        echo: echo_texts,
         stream: c.stream,
         include_usage: c.include_usage,
         logprobs: c.logprobs,
@@ -436,6 +444,8 @@ fn submit(
 struct ChoiceOut {
     text: String,
     tokens: Vec<TokenEvent>,
+    /// An echoed prompt's scores (with `logprobs`).
+    prompt_scores: Vec<PromptScore>,
     finish: Option<FinishReason>,
     usage: Usage,
 }
@@ -484,31 +494,65 @@ fn chat_logprobs(model: &Model, tokens: &[TokenEvent]) -> Value {
 }
 
 /// Completions' `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`,
-/// offsets (in characters) counted from `offset`; returns the offset after the last token.
-fn completion_logprobs(model: &Model, tokens: &[TokenEvent], mut offset: usize) -> (Value, usize) {
-    let mut texts = Vec::with_capacity(tokens.len());
-    let mut offsets = Vec::with_capacity(tokens.len());
-    for t in tokens {
-        let (text, _) = token_piece(model, t.id);
-        offsets.push(offset);
-        offset += text.chars().count();
-        texts.push(text);
+/// offsets in characters of the choice's text.
+#[derive(Default)]
+struct CompletionLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Option<f32>>,
+    top_logprobs: Vec<Value>,
+    text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    /// A token at `offset`, which moves past its text.
+    fn push(
+        &mut self,
+        model: &Model,
+        id: u32,
+        logprob: Option<f32>,
+        top: Option<&[(u32, f32)]>,
+        offset: &mut usize,
+    ) {
+        let (text, _) = token_piece(model, id);
+        self.text_offset.push(*offset);
+        *offset += text.chars().count();
+        self.tokens.push(text);
+        self.token_logprobs.push(logprob);
+        self.top_logprobs.push(match top {
+            None => Value::Null,
+            Some(top) => Value::Object(
+                top.iter()
+                    .map(|&(id, lp)| (token_piece(model, id).0, json!(lp)))
+                    .collect(),
+            ),
+        });
     }
-    let top: Vec<Value> = tokens
-        .iter()
-        .map(|t| {
-            let mut m = serde_json::Map::new();
-            for &(id, lp) in &t.top_logprobs {
-                m.insert(token_piece(model, id).0, json!(lp));
-            }
-            Value::Object(m)
+
+    /// An echoed prompt's tokens from offset 0, scored each given those before it (the
+    /// first, with nothing before it, has no log-probability, as in OpenAI's and vLLM's).
+    fn push_prompt(&mut self, model: &Model, prompt: &[u32], scores: &[PromptScore]) {
+        let mut offset = 0;
+        for (i, &id) in prompt.iter().enumerate() {
+            let s = i.checked_sub(1).and_then(|k| scores.get(k));
+            let top = s.map(|s| s.top_logprobs.as_slice());
+            self.push(model, id, s.map(|s| s.logprob), top, &mut offset);
+        }
+    }
+
+    fn push_generated(&mut self, model: &Model, tokens: &[TokenEvent], offset: &mut usize) {
+        for t in tokens {
+            self.push(model, t.id, t.logprob, Some(&t.top_logprobs), offset);
+        }
+    }
+
+    fn json(self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
         })
-        .collect();
-    let lps: Vec<Option<f32>> = tokens.iter().map(|t| t.logprob).collect();
-    (
-        json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}),
-        offset,
-    )
+    }
 }
 
 /// Waits for every choice's end and answers in one JSON response.
@@ -549,7 +593,7 @@ async fn collect(
                 left -= 1;
             }
             Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
-            Event::PromptScores(_) => {}
+            Event::PromptScores(s) => o.prompt_scores = s,
         }
     }
     drop(guard);
@@ -586,14 +630,20 @@ async fn collect(
                 }
             }
             Endpoint::Completions => {
-                let echo = job
-                    .echo
-                    .get(job.prompt_of[i])
-                    .map_or(0, |e| e.chars().count());
+                let echo = job.echo.get(job.prompt_of[i]);
+                let logprobs = job.logprobs.map(|_| {
+                    let mut lp = CompletionLogprobs::default();
+                    if echo.is_some() {
+                        lp.push_prompt(model, &job.choices[i].prompt, &o.prompt_scores);
+                    }
+                    let mut offset = echo.map_or(0, |e| e.chars().count());
+                    lp.push_generated(model, &o.tokens, &mut offset);
+                    lp.json()
+                });
                 json!({
                     "index": i,
                     "text": o.text,
-                    "logprobs": job.logprobs.map(|_| completion_logprobs(model, &o.tokens, echo).0),
+                    "logprobs": logprobs,
                     "finish_reason": finish(o),
                 })
             }
@@ -665,16 +715,17 @@ impl Streamer {
             }),
             Endpoint::Completions => {
                 let lp = self.job.logprobs.map(|_| {
-                    let (v, end) = completion_logprobs(&self.model, tokens, self.offsets[i]);
-                    self.offsets[i] = end;
-                    v
+                    let mut lp = CompletionLogprobs::default();
+                    lp.push_generated(&self.model, tokens, &mut self.offsets[i]);
+                    lp.json()
                 });
                 json!({"index": i, "text": text, "logprobs": lp, "finish_reason": null})
             }
         }
     }
 
-    /// The first events: the role of each choice (chat), the echoed prompt (completions).
+    /// The first events: the role of each choice (chat), the echoed prompt (completions;
+    /// with `logprobs`, when its scores come).
     fn start(&mut self) {
         for i in 0..self.job.choices.len() {
             let first = match self.job.endpoint {
@@ -684,18 +735,26 @@ impl Streamer {
                     "logprobs": null,
                     "finish_reason": null,
                 })),
-                Endpoint::Completions => {
-                    self.job.echo.get(self.job.prompt_of[i]).cloned().map(|e| {
-                        self.offsets[i] = e.chars().count();
-                        json!({"index": i, "text": e, "logprobs": null, "finish_reason": null})
-                    })
-                }
+                Endpoint::Completions if self.job.logprobs.is_some() => None,
+                Endpoint::Completions => self.echo(i, None),
             };
             if let Some(c) = first {
                 let ev = self.chunk(vec![c]);
                 self.queue.push_back(ev);
             }
         }
+    }
+
+    /// Choice `i`'s echoed prompt, if it echoes, with its tokens' scores when asked.
+    fn echo(&mut self, i: usize, scores: Option<&[PromptScore]>) -> Option<Value> {
+        let e = self.job.echo.get(self.job.prompt_of[i])?.clone();
+        self.offsets[i] = e.chars().count();
+        let lp = scores.map(|s| {
+            let mut lp = CompletionLogprobs::default();
+            lp.push_prompt(&self.model, &self.job.choices[i].prompt, s);
+            lp.json()
+        });
+        Some(json!({"index": i, "text": e, "logprobs": lp, "finish_reason": null}))
     }
 
     /// The end of choice `i` with tools: the held text parsed; the calls, or the text.
@@ -780,7 +839,14 @@ impl Streamer {
                     .push_back(SseEvent::default().data(err.body().to_string()));
                 self.end();
             }
-            Event::PromptScores(_) => {}
+            Event::PromptScores(s) => {
+                if self.job.endpoint == Endpoint::Completions && self.job.logprobs.is_some() {
+                    if let Some(c) = self.echo(i, Some(&s)) {
+                        let ev = self.chunk(vec![c]);
+                        self.queue.push_back(ev);
+                    }
+                }
+            }
         }
     }
 

@@ -135,7 +135,10 @@ pub enum Endpoint {
 pub fn common(f: &Fields, endpoint: Endpoint, n_vocab: usize) -> Result<Common, ApiError> {
     let model = f.string("model")?.map(str::to_string);
     f.string("user")?; // accepted, unused
-    let mut max_tokens = f.integer("max_tokens", 1, i64::MAX)?;
+                       // Completions that echo may generate nothing (OpenAI's legacy API, vLLM): the prompt
+                       // and, with `logprobs`, its tokens' log-probabilities.
+    let echo = endpoint == Endpoint::Completions && f.bool("echo")?.unwrap_or(false);
+    let mut max_tokens = f.integer("max_tokens", if echo { 0 } else { 1 }, i64::MAX)?;
     if endpoint == Endpoint::Chat {
         if let Some(m) = f.integer("max_completion_tokens", 1, i64::MAX)? {
             max_tokens = Some(m);
@@ -504,6 +507,23 @@ mod tests {
             param_of(parse(json!({"logprobs": true}), Endpoint::Completions)),
             "logprobs"
         );
+        // No tokens only for completions that echo the prompt.
+        for (body, ep) in [
+            (json!({"max_tokens": 0}), Endpoint::Completions),
+            (
+                json!({"max_tokens": 0, "echo": false}),
+                Endpoint::Completions,
+            ),
+            (json!({"max_tokens": 0, "echo": true}), Endpoint::Chat),
+        ] {
+            assert_eq!(param_of(parse(body.clone(), ep)), "max_tokens", "{body}");
+        }
+        let c = parse(
+            json!({"max_tokens": 0, "echo": true}),
+            Endpoint::Completions,
+        )
+        .unwrap();
+        assert_eq!(c.max_tokens, Some(0));
     }
 
     #[test]

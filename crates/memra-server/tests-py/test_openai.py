@@ -193,6 +193,65 @@ def test_completion_logprobs(qwen):
         assert l <= 0 and abs(max(top.values()) - l) < 1e-5 and tok in top
 
 
+def test_echo_logprobs_score_the_prompt(qwen):
+    """lm-eval-harness's loglikelihood request (token ids, echo, logprobs, one token):
+    every prompt token but the first gets its log-probability given those before it."""
+    client = qwen.client()
+    text = PROMPT + "    if n < 2:\n        return n\n"
+    ids = qwen.post("/tokenize", {"content": text}).json()["tokens"]
+    ctx = len(qwen.post("/tokenize", {"content": PROMPT}).json()["tokens"])
+    assert 0 < ctx < len(ids) - 3
+    r = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0,
+                                  logprobs=1, echo=True)
+    (c,) = r.choices
+    lp = c.logprobs
+    n = len(ids) + 1
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:-1]) == text and c.text == "".join(lp.tokens)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n)]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
+    for l, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert l <= 0 and len(top) == 1 and max(top.values()) >= l - 1e-5
+    # The independent value: each continuation token forced as the next token (a bias the
+    # reported log-probability does not see) after the prompt cut before it.
+    for k in range(ctx, ctx + 3):
+        forced = client.completions.create(model="m", prompt=ids[:k], max_tokens=1,
+                                           temperature=0, logprobs=1,
+                                           logit_bias={str(ids[k]): 100})
+        f = forced.choices[0].logprobs
+        assert f.tokens[0] == lp.tokens[k]
+        assert abs(f.token_logprobs[0] - lp.token_logprobs[k]) < 2e-3, k
+        assert abs(max(f.top_logprobs[0].values()) - max(lp.top_logprobs[k].values())) < 2e-3
+    # Streamed: the echo first, with the prompt's log-probabilities, then the token's.
+    parts = list(client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0,
+                                           logprobs=1, echo=True, stream=True))
+    streamed = [x for p in parts if p.choices and p.choices[0].logprobs
+                for x in p.choices[0].logprobs.token_logprobs]
+    assert parts[0].choices[0].text == text
+    assert streamed == lp.token_logprobs
+    # Nothing to generate: the prompt alone (with echo only).
+    z = client.completions.create(model="m", prompt=ids, max_tokens=0, logprobs=1, echo=True)
+    assert z.choices[0].text == text and z.usage.completion_tokens == 0
+    assert z.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert z.choices[0].finish_reason == "length"
+    z = client.completions.create(model="m", prompt=PROMPT, max_tokens=0, echo=True)
+    assert z.choices[0].text == PROMPT and z.choices[0].logprobs is None
+    e = qwen.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "max_tokens"
+
+
+def test_model_retrieve(qwen):
+    client = qwen.client()
+    m = client.models.retrieve(QWEN.name)
+    assert (m.id, m.object, m.owned_by) == (QWEN.name, "model", "memra")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.get(qwen.url + "/v1/models/" + QWEN.name)
+    assert r.status_code == 401  # the key guards it as it guards the list
+
+
 def test_n_choices_share_the_prompt(qwen):
     client = qwen.client()
     messages = [{"role": "system", "content": "You are a poet. " * 12}] + CHAT

@@ -746,7 +746,7 @@ pub fn run_perplexity(args: &ModelArgs, file: &Path, chunks: Option<usize>) -> R
     for (c, handle) in handles.into_iter().enumerate() {
         for event in handle {
             match event {
-                Event::PromptScores(lp) => lp.iter().for_each(|&l| sum.add(-f64::from(l))),
+                Event::PromptScores(lp) => lp.iter().for_each(|s| sum.add(-f64::from(s.logprob))),
                 Event::Error(e) => bail!("{e}"),
                 _ => {}
             }

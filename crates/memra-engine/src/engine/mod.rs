@@ -92,7 +92,8 @@ pub struct GenerationParams {
     /// Log-probabilities of each generated token and of this many best alternatives.
     pub logprobs: Option<usize>,
     /// Score the prompt: the log-probability of each prompt token after position `from`
-    /// given those before it (perplexity). Such a request does not use the prefix cache.
+    /// given those before it (perplexity, completions' `echo` with `logprobs`), with
+    /// `logprobs` alternatives each. Such a request does not use the prefix cache.
     pub score_from: Option<usize>,
     /// The output must match this grammar ([`Engine::compile_grammar`]); it ends when the
     /// grammar is complete.
@@ -137,6 +138,16 @@ pub struct TokenEvent {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+/// A prompt token scored ([`GenerationParams::score_from`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PromptScore {
+    /// Its log-probability given the tokens before it.
+    pub logprob: f32,
+    /// The best tokens at its position, best first, when the request asks for
+    /// log-probabilities (`logprobs`: that many).
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// `max_tokens` generated.
@@ -163,8 +174,9 @@ pub struct Usage {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     Token(TokenEvent),
-    /// Log-probabilities of prompt tokens `from + 1..prompt_len`, each given those before it.
-    PromptScores(Vec<f32>),
+    /// Prompt tokens `from + 1..prompt_len` scored, each given those before it; sent once,
+    /// when the prompt has been computed (before the first token).
+    PromptScores(Vec<PromptScore>),
     /// The end: text that was held back, why, and counts.
     Finished {
         reason: FinishReason,

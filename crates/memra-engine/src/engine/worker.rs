@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use super::speculate::{draft_len, judge, lookup_drafts, SpecState};
 use super::{
-    BatchRunner, Command, Event, EventSink, FinishReason, Request, StatsCell, TokenEvent, Usage,
+    BatchRunner, Command, Event, EventSink, FinishReason, PromptScore, Request, StatsCell,
+    TokenEvent, Usage,
 };
 use rayon::prelude::*;
 
@@ -32,7 +33,9 @@ struct Live<'t> {
     sink: EventSink,
     generated: usize,
     /// Prompt scores by position (`score_from..prompt_len - 1`), filled as chunks run.
-    scores: Vec<f32>,
+    scores: Vec<PromptScore>,
+    /// The scores went out (a preempted sequence recomputes its prompt: not again).
+    scores_sent: bool,
     spec: SpecState,
 }
 
@@ -89,7 +92,8 @@ pub(super) fn run(
                             decoder: IncrementalDecoder::new(tok, false),
                             sink,
                             generated: 0,
-                            scores: vec![0.0; n_scores],
+                            scores: vec![PromptScore::default(); n_scores],
+                            scores_sent: false,
                             spec: SpecState::default(),
                         },
                     );
@@ -253,12 +257,19 @@ pub(super) fn run(
                 }
                 continue;
             }
-            if let Some(from) = l.request.params.score_from {
+            if let Some(from) = l.request.params.score_from.filter(|_| !l.scores_sent) {
                 let tokens = &l.request.prompt;
+                let top = l.request.params.logprobs;
                 for (i, row) in scored_positions(s, from, tokens.len()).zip(&seq_rows) {
                     if let RowOut::Logits(row) = row {
-                        l.scores[i - from] = log_softmax_at(row, tokens[i + 1]);
+                        l.scores[i - from] = PromptScore {
+                            logprob: log_softmax_at(row, tokens[i + 1]),
+                            top_logprobs: top.map_or(Vec::new(), |n| top_logprobs(row, n)),
+                        };
                     }
+                }
+                if s.start + s.n >= tokens.len() {
+                    send_scores(l);
                 }
             }
             if !s.logits {
@@ -328,7 +339,7 @@ fn build_batch(
         let tokens = &seq.tokens[s.start..s.start + s.n];
         batch.push(tokens, s.start, &seq.blocks, want);
         if drafting && s.n > 1 {
-            batch.mark_verify();
+            batch.mark_as_decodes();
         }
     }
     (batch, rows)
@@ -613,13 +624,11 @@ fn finish(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, rea
     let Some(mut l) = live.remove(&id) else {
         return;
     };
+    send_scores(&mut l);
     let mut text = String::new();
     if reason != FinishReason::StopString {
         let (t, _) = l.filter.push(&l.decoder.finish());
         text = t + &l.filter.take_held();
-    }
-    if l.request.params.score_from.is_some() {
-        (l.sink)(Event::PromptScores(std::mem::take(&mut l.scores)));
     }
     let usage = Usage {
         prompt_tokens: l.request.prompt.len(),
@@ -634,6 +643,15 @@ fn finish(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, rea
         text,
         usage,
     });
+}
+
+/// A scoring request's prompt scores, once (whether the client is still there shows at
+/// its next token).
+fn send_scores(l: &mut Live) {
+    if l.request.params.score_from.is_some() && !l.scores_sent {
+        l.scores_sent = true;
+        (l.sink)(Event::PromptScores(std::mem::take(&mut l.scores)));
+    }
 }
 
 fn fail(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, why: &str) {

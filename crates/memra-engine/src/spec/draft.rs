@@ -151,6 +151,11 @@ impl DraftModel {
                 };
                 let n = new.len();
                 batch.push(&new, start, &ds.blocks, [n - 1]);
+                // The catch-up after a step that took every draft is two tokens (the last
+                // draft and the target's own): decode rows on the GPU, not a prompt chunk.
+                if n > 1 {
+                    batch.mark_as_decodes();
+                }
                 order.push(id);
             }
             if order.is_empty() {

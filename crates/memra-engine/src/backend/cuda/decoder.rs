@@ -506,16 +506,17 @@ impl GpuDecoder {
             prompts = std::mem::take(&mut decodes);
             rows.clear();
         } else {
-            // A speculative verify step (the last token and its drafts) while few rows
-            // decode: each token a row of the dp4a mat-vec kernels at its own position, over
-            // the sequence's blocks, so it rounds as plain decoding does (the tensor-core
-            // kernels of 9 to 16 rows round otherwise, so the rows stay within 8). The rows
-            // of a launch append their keys and values before any attends, and a later group
-            // runs after an earlier one, so each token sees the ones before it, as in a
-            // prompt batch.
+            // A speculative verify step (the last token and its drafts), or a draft model's
+            // catch-up, while few rows decode: each token a row of the dp4a mat-vec kernels
+            // at its own position, over the sequence's blocks, so a verify step rounds as
+            // plain decoding does (the tensor-core kernels of 9 to 16 rows round otherwise,
+            // so the rows stay within 8) and a short chunk replays a decode graph instead of
+            // the prompt path's eager launches. The rows of a launch append their keys and
+            // values before any attends, and a later group runs after an earlier one, so
+            // each token sees the ones before it, as in a prompt batch.
             prompts.retain(|&s| {
                 let r = batch.seq_tokens(s);
-                let short = batch.is_verify(s)
+                let short = batch.is_as_decodes(s)
                     && rows.len() + r.len() <= MAX_MATVEC_ROWS
                     && rows.len() + r.len() < self.gemm_decode_rows;
                 if short {
