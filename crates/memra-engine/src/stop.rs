@@ -4,6 +4,8 @@
 pub struct StopFilter {
     stops: Vec<String>,
     held: String,
+    /// The stop string reached, once one is.
+    matched: Option<usize>,
 }
 
 impl StopFilter {
@@ -11,20 +13,23 @@ impl StopFilter {
         StopFilter {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
+            matched: None,
         }
     }
 
     /// Adds text; returns what can be shown and whether a stop string was reached.
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.held.push_str(text);
-        if let Some(at) = self
+        if let Some((at, i)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(i, s)| Some((self.held.find(s.as_str())?, i)))
             .min()
         {
             let out = self.held[..at].to_string();
             self.held.clear();
+            self.matched = Some(i);
             return (out, true);
         }
         // Keep the longest suffix that is a prefix of a stop string.
@@ -46,6 +51,12 @@ impl StopFilter {
         (out, false)
     }
 
+    /// The stop string that ended the text, if one did (the first in the text; of two
+    /// starting at the same place, the first given).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
+    }
+
     /// The text held back (generation ended without a stop string).
     pub fn take_held(&mut self) -> String {
         std::mem::take(&mut self.held)
@@ -65,10 +76,12 @@ mod tests {
         assert_eq!(f.push("x>"), ("</x>".to_string(), false));
         assert_eq!(f.push("a\n"), ("a".to_string(), false));
         assert_eq!(f.push("\nmore"), (String::new(), true));
+        assert_eq!(f.matched(), Some("\n\n"));
         let mut f = StopFilter::new(stops);
-        assert_eq!(f.push("ab</s>cd"), ("ab".to_string(), true));
+        assert_eq!(f.push("ab\n\nc</s>cd"), ("ab".to_string(), true));
+        assert_eq!(f.matched(), Some("\n\n"), "the first in the text");
         let mut f = StopFilter::new(vec!["XYZ".into()]);
         assert_eq!(f.push("aXY"), ("a".to_string(), false));
-        assert_eq!(f.take_held(), "XY");
+        assert_eq!((f.take_held().as_str(), f.matched()), ("XY", None));
     }
 }

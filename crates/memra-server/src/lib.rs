@@ -11,6 +11,7 @@
 mod call_stream;
 pub mod error;
 pub mod metrics;
+mod native;
 mod openai;
 pub mod params;
 mod structured;
@@ -272,6 +273,8 @@ fn router(state: Arc<AppState>) -> Router {
     let protected = Router::new()
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
+        .route("/completion", post(native::completion))
+        .route("/completions", post(native::completion))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))

@@ -48,22 +48,22 @@ pub(crate) async fn completions(
 }
 
 /// What a request asks, checked and tokenized.
-struct Job {
+pub(crate) struct Job {
     endpoint: Endpoint,
     id: String,
     created: u64,
-    model: String,
+    pub(crate) model: String,
     /// One sequence per choice, in choice order (prompt by prompt, `n` each).
-    choices: Vec<Request>,
+    pub(crate) choices: Vec<Request>,
     /// The prompt of each choice.
-    prompt_of: Vec<usize>,
-    prompt_lens: Vec<usize>,
+    pub(crate) prompt_of: Vec<usize>,
+    pub(crate) prompt_lens: Vec<usize>,
     /// Completions with `echo`: each prompt's text, which starts its choices' text (and,
     /// with `logprobs`, its tokens start the choices' log-probabilities).
     echo: Vec<String>,
-    stream: bool,
+    pub(crate) stream: bool,
     include_usage: bool,
-    logprobs: Option<usize>,
+    pub(crate) logprobs: Option<usize>,
     /// Chat with tools the model may call: how to find the calls in its output.
     tools: Option<ToolParse>,
 }
@@ -81,7 +81,7 @@ async fn handle(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, ep: Endp
         let s = st.clone();
         let job = tokio::task::spawn_blocking(move || {
             let ready = s.ready()?;
-            prepare(&s, ready, &v, ep, rid)
+            prepare(&s, ready, &v, ep, rid, false)
         })
         .await
         .map_err(|_| ApiError::internal("internal error (a bug) preparing the request"))??;
@@ -112,7 +112,16 @@ async fn handle(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, ep: Endp
     }
 }
 
-fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Result<Job, ApiError> {
+/// Checks and tokenizes a request; `rest_by_default`: without `max_tokens` a choice may
+/// generate to the end of the context (chat does anyway; llama-server's `/completion`).
+pub(crate) fn prepare(
+    st: &AppState,
+    r: &Ready,
+    v: &Value,
+    ep: Endpoint,
+    id: String,
+    rest_by_default: bool,
+) -> Result<Job, ApiError> {
     let f = Fields::of(v)?;
     let tok = &r.engine.model().tokenizer;
     let c = params::common(&f, ep, tok.n_vocab())?;
@@ -196,6 +205,7 @@ fn prepare(st: &AppState, r: &Ready, v: &Value, ep: Endpoint, id: String) -> Res
         let rest = info.n_ctx - prompt.len();
         let max_tokens = match (c.max_tokens, ep) {
             (Some(m), _) => m,
+            (None, _) if rest_by_default => rest,
             (None, Endpoint::Chat) => rest,
             (None, Endpoint::Completions) => params::COMPLETIONS_DEFAULT_MAX_TOKENS.min(rest),
         };
@@ -326,7 +336,7 @@ fn fresh_seed() -> u64 {
 /// The sequences of a request while they run: dropping it (the client went away, the
 /// stream was dropped) cancels those not finished, whose blocks go back at the engine's
 /// next step.
-struct Inflight {
+pub(crate) struct Inflight {
     st: Arc<AppState>,
     engine: Arc<Engine>,
     ids: Vec<SeqId>,
@@ -356,17 +366,17 @@ impl Drop for Inflight {
     }
 }
 
-fn finish_reason(r: FinishReason) -> &'static str {
+pub(crate) fn finish_reason(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Length => "length",
         FinishReason::EndOfGeneration | FinishReason::StopString => "stop",
     }
 }
 
-type Events = UnboundedReceiver<(usize, Event)>;
+pub(crate) type Events = UnboundedReceiver<(usize, Event)>;
 
 /// Queues the job's sequences; refuses it (503) when the queue is full.
-fn submit(
+pub(crate) fn submit(
     st: &Arc<AppState>,
     r: &Ready,
     job: &Job,
@@ -467,7 +477,7 @@ fn usage_json(job: &Job, outs: &[Usage]) -> Value {
 }
 
 /// A token as the logprobs fields show it: its text (special tokens too) and bytes.
-fn token_piece(model: &Model, id: u32) -> (String, Vec<u8>) {
+pub(crate) fn token_piece(model: &Model, id: u32) -> (String, Vec<u8>) {
     let bytes = model.tokenizer.token_bytes(id, true).unwrap_or_default();
     (String::from_utf8_lossy(&bytes).into_owned(), bytes)
 }
@@ -586,6 +596,7 @@ async fn collect(
                 reason,
                 text,
                 usage,
+                ..
             } => {
                 o.text.push_str(&text);
                 o.finish = Some(reason);
@@ -804,6 +815,7 @@ impl Streamer {
                 reason,
                 text,
                 usage,
+                ..
             } => {
                 let mut why = finish_reason(reason);
                 if self.job.tools.is_some() {

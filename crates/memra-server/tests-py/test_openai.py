@@ -241,6 +241,53 @@ def test_echo_logprobs_score_the_prompt(qwen):
     assert e.status_code == 400 and e.json()["error"]["param"] == "max_tokens"
 
 
+def test_llama_server_completion(qwen):
+    """llama-server's own `/completion`: its field names, its answer, its stream."""
+    want = qwen.client().completions.create(model="m", prompt=PROMPT, max_tokens=8,
+                                            temperature=0)
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "n_probs": 2,
+            "return_tokens": True, "cache_prompt": True}
+    r = qwen.post("/completion", body)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["content"] == want.choices[0].text and j["stop"] is True
+    assert (j["tokens_predicted"], j["tokens_evaluated"]) == (8, want.usage.prompt_tokens)
+    assert j["stop_type"] == "limit" and j["stopping_word"] == ""
+    assert j["generation_settings"]["n_predict"] == 8 and j["prompt"] == PROMPT
+    t = j["timings"]
+    assert t["predicted_n"] == 8 and t["prompt_n"] + j["tokens_cached"] == j["tokens_evaluated"]
+    assert t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
+    assert qwen.post("/detokenize", {"tokens": j["tokens"]}).json()["content"] == j["content"]
+    probs = j["completion_probabilities"]
+    assert [p["id"] for p in probs] == j["tokens"]
+    for p in probs:  # greedy: each token its position's best
+        assert len(p["top_logprobs"]) == 2 and p["top_logprobs"][0]["id"] == p["id"]
+        assert abs(p["top_logprobs"][0]["logprob"] - p["logprob"]) < 1e-5
+    # Streamed: the same text in pieces, then the last object, and no [DONE].
+    with httpx.stream("POST", qwen.url + "/completion", headers=qwen.headers(), timeout=60,
+                      json={**body, "stream": True}) as s:
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    chunks = [json.loads(ln[6:]) for ln in lines]
+    assert "".join(c["content"] for c in chunks) == j["content"]
+    assert all(c["stop"] is False for c in chunks[:-1]) and chunks[-1]["stop"] is True
+    assert chunks[-1]["stop_type"] == "limit" and chunks[-1]["tokens_predicted"] == 8
+    assert [x["id"] for c in chunks[:-1] for x in c.get("completion_probabilities", [])] \
+        == j["tokens"]
+    # A stop word: the text before it, and which it was.
+    stop = j["content"][3:6]
+    w = qwen.post("/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0,
+                                  "stop": ["never-there", stop]}).json()
+    assert w["content"] == j["content"][: j["content"].index(stop)]
+    assert (w["stop_type"], w["stopping_word"]) == ("word", stop)
+    # Its fields, checked under their names; the key guards it.
+    for bad, field in [({"n_predict": 0}, "n_predict"), ({"n_predict": "8"}, "n_predict"),
+                       ({"n_probs": 50}, "n_probs"), ({"return_tokens": 1}, "return_tokens"),
+                       ({"temperature": -1}, "temperature"), ({}, "prompt")]:
+        e = qwen.post("/completion", {"prompt": PROMPT, **bad} if field != "prompt" else bad)
+        assert e.status_code == 400 and e.json()["error"]["param"] == field, (bad, e.text)
+    assert httpx.post(qwen.url + "/completion", json=body).status_code == 401
+
+
 def test_model_retrieve(qwen):
     client = qwen.client()
     m = client.models.retrieve(QWEN.name)

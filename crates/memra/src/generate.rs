@@ -526,6 +526,7 @@ pub(crate) fn engine_generate(
                 reason,
                 text,
                 usage,
+                ..
             }) => {
                 on_text(&text);
                 let total = start.elapsed();

@@ -177,11 +177,13 @@ pub enum Event {
     /// Prompt tokens `from + 1..prompt_len` scored, each given those before it; sent once,
     /// when the prompt has been computed (before the first token).
     PromptScores(Vec<PromptScore>),
-    /// The end: text that was held back, why, and counts.
+    /// The end: text that was held back, why (and the stop string, for `StopString`), and
+    /// counts.
     Finished {
         reason: FinishReason,
         text: String,
         usage: Usage,
+        stop: Option<String>,
     },
     /// The step failed (a backend error); the request is over.
     Error(String),

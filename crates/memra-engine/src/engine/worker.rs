@@ -638,10 +638,12 @@ fn finish(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, rea
         draft_tokens: l.spec.drafted,
         accepted_tokens: l.spec.accepted,
     };
+    let stop = l.filter.matched().map(str::to_string);
     (l.sink)(Event::Finished {
         reason,
         text,
         usage,
+        stop,
     });
 }
 
