@@ -10,6 +10,7 @@
 
 mod call_stream;
 pub mod error;
+mod fim;
 pub mod metrics;
 mod native;
 mod openai;
@@ -275,6 +276,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/completion", post(native::completion))
         .route("/completions", post(native::completion))
+        .route("/infill", post(native::infill))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))

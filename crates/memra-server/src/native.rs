@@ -1,5 +1,6 @@
-//! llama-server's own `POST /completion` (and `/completions`), for tools written against
-//! it: `n_predict` (-1, the default: up to the end of the context), `n_probs`,
+//! llama-server's own `POST /completion` (and `/completions`), and `POST /infill` (code
+//! completion in editors: `input_prefix`, `input_suffix`, `input_extra` around the cursor,
+//! as a fill-in-the-middle prompt, fim.rs), for tools written against it: `n_predict` (-1, the default: up to the end of the context), `n_probs`,
 //! `return_tokens`, the sampling fields under llama-server's names; the answer as
 //! llama-server gives it (`content`, `stop`, `stop_type`, `stopping_word`,
 //! `tokens_predicted`, `tokens_evaluated`, `generation_settings`, `timings`), streamed as
@@ -19,10 +20,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use memra_engine::engine::{Event, FinishReason, Request, TokenEvent, Usage};
 use memra_engine::models::Model;
+use memra_engine::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 use tracing::Instrument;
 
 use crate::error::ApiError;
+use crate::fim::{self, ExtraFile, Repo};
 use crate::openai::{prepare, submit, token_piece, Events, Inflight, Job};
 use crate::params::{Endpoint, MAX_TOP_LOGPROBS};
 use crate::{json_body, request_id_header, AppState};
@@ -31,6 +34,17 @@ pub(crate) async fn completion(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    serve(st, body, false).await
+}
+
+pub(crate) async fn infill(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(st, body, true).await
+}
+
+async fn serve(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, infill: bool) -> Response {
     let rid = st.request_id();
     let span = tracing::info_span!("request", id = %rid);
     let headers = request_id_header(&rid);
@@ -42,6 +56,9 @@ pub(crate) async fn completion(
         let s = st.clone();
         let job = tokio::task::spawn_blocking(move || {
             let ready = s.ready()?;
+            if infill {
+                infill_prompt(&mut v, &ready.engine.model().tokenizer)?;
+            }
             prepare(&s, ready, &v, Endpoint::Completions, rid, true)
         })
         .await
@@ -123,6 +140,65 @@ fn translate(v: &mut Value) -> Result<bool, ApiError> {
             "'return_tokens' must be a boolean",
         )),
     }
+}
+
+/// `/infill`'s fields as the fill-in-the-middle prompt's ids in `prompt` (`prompt`, if
+/// given, continues the prefix, as in llama-server).
+fn infill_prompt(v: &mut Value, tok: &Tokenizer) -> Result<(), ApiError> {
+    let Value::Object(o) = v else {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    };
+    let text = |o: &Map<String, Value>, name: &str| match o.get(name) {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(_) => Err(ApiError::invalid(
+            name,
+            format!("'{name}' must be a string"),
+        )),
+    };
+    let (prefix, suffix, cont) = (
+        text(o, "input_prefix")?,
+        text(o, "input_suffix")?,
+        text(o, "prompt")?,
+    );
+    let mut files = Vec::new();
+    match o.get("input_extra") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(chunks)) => {
+            for (i, c) in chunks.iter().enumerate() {
+                let field = format!("input_extra[{i}]");
+                let Value::Object(c) = c else {
+                    return Err(ApiError::invalid(&field, "each chunk must be an object"));
+                };
+                let name = match c.get("filename") {
+                    None | Some(Value::Null) => "tmp".to_string(),
+                    Some(Value::String(s)) => s.clone(),
+                    Some(_) => return Err(ApiError::invalid(field + ".filename", "a string")),
+                };
+                let Some(Value::String(body)) = c.get("text") else {
+                    return Err(ApiError::invalid(field + ".text", "a string is required"));
+                };
+                files.push(ExtraFile {
+                    name,
+                    text: body.clone(),
+                });
+            }
+        }
+        Some(_) => return Err(ApiError::invalid("input_extra", "an array of chunks")),
+    }
+    let enc = |t: &str, field: &str| {
+        tok.encode(t, false, false)
+            .map_err(|e| ApiError::invalid(field, e.to_string()))
+    };
+    let mut before = enc(&prefix, "input_prefix")?;
+    before.extend(enc(&cont, "prompt")?);
+    let repo = Repo { files: &files };
+    let ids = fim::prompt(tok, "input_prefix", Some(repo), &before, &suffix)?;
+    for k in ["input_prefix", "input_suffix", "input_extra"] {
+        o.remove(k);
+    }
+    o.insert("prompt".into(), json!(ids));
+    Ok(())
 }
 
 /// What the answer needs beside the events.

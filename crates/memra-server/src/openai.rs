@@ -28,6 +28,7 @@ use tracing::Instrument;
 
 use crate::call_stream::{call_deltas, CallStream};
 use crate::error::ApiError;
+use crate::fim;
 use crate::params::{self, Endpoint, Fields, Prompt};
 use crate::structured::{self, OutputGrammar, ToolChoice, ToolRequest};
 use crate::tools::{self, ToolParse};
@@ -164,10 +165,20 @@ pub(crate) fn prepare(
             )
         }
         Endpoint::Completions => {
+            let suffix = f.string("suffix")?;
             let mut ids = Vec::new();
             let mut texts = Vec::new();
             for p in params::prompts(&f)? {
                 match p {
+                    // With a suffix, the prompt is the text before the hole (fim.rs).
+                    Prompt::Text(s) if suffix.is_some() => {
+                        let before = tok
+                            .encode(&s, false, false)
+                            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
+                        let sfx = suffix.unwrap_or_default();
+                        ids.push(fim::prompt(tok, "suffix", None, &before, sfx)?);
+                        texts.push(s);
+                    }
                     // As `memra run`: BOS when the model asks for it, special tokens parsed.
                     Prompt::Text(s) => {
                         ids.push(encode(&s, true, "prompt")?);
@@ -177,7 +188,10 @@ pub(crate) fn prepare(
                         if echo {
                             texts.push(tok.decode_lossy(&t, false).unwrap_or_default());
                         }
-                        ids.push(t);
+                        ids.push(match suffix {
+                            Some(sfx) => fim::prompt(tok, "suffix", None, &t, sfx)?,
+                            None => t,
+                        });
                     }
                 }
             }

@@ -288,6 +288,47 @@ def test_llama_server_completion(qwen):
     assert httpx.post(qwen.url + "/completion", json=body).status_code == 401
 
 
+def test_fill_in_the_middle(qwen, tiny):
+    """OpenAI's `suffix` and llama-server's `/infill` build the model's fill-in-the-middle
+    prompt: the same tokens as its markers written out by hand."""
+    client = qwen.client()
+    pre, suf = "def add(a, b):\n    return ", "\n\n\nprint(add(1, 2))\n"
+
+    def by_hand(text):
+        r = client.completions.create(model="m", prompt=text, max_tokens=8, temperature=0)
+        return r.choices[0].text, r.usage.prompt_tokens
+
+    fim = "<|fim_prefix|>" + pre + "<|fim_suffix|>" + suf + "<|fim_middle|>"
+    want, n = by_hand(fim)
+    assert "a + b" in want, want  # the hole filled
+    r = client.completions.create(model="m", prompt=pre, suffix=suf, max_tokens=8,
+                                  temperature=0)
+    assert (r.choices[0].text, r.usage.prompt_tokens) == (want, n)
+    ids = qwen.post("/tokenize", {"content": pre}).json()["tokens"]
+    r = client.completions.create(model="m", prompt=ids, suffix=suf, max_tokens=8,
+                                  temperature=0)
+    assert r.choices[0].text == want
+    # /infill: llama-server's repository context, then the same hole.
+    extra = [{"filename": "util.py", "text": "X = 1\n"}]
+    j = qwen.post("/infill", {"input_prefix": pre, "input_suffix": suf, "input_extra": extra,
+                              "n_predict": 8, "temperature": 0}).json()
+    want, n = by_hand("<|repo_name|>myproject\n<|file_sep|>util.py\nX = 1\n"
+                      "<|file_sep|>filename\n" + fim)
+    assert (j["content"], j["tokens_evaluated"]) == (want, n), j
+    for body, field in [({"input_prefix": 3}, "input_prefix"),
+                        ({"input_extra": [{"filename": 1, "text": "x"}]},
+                         "input_extra[0].filename"),
+                        ({"input_extra": [{"filename": "a"}]}, "input_extra[0].text"),
+                        ({"input_extra": "x"}, "input_extra")]:
+        e = qwen.post("/infill", body)
+        assert e.status_code == 400 and e.json()["error"]["param"] == field, (body, e.text)
+    # A model without the markers refuses, naming the field.
+    e = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x", "suffix": "y"})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "suffix"
+    e = httpx.post(tiny.url + "/infill", json={"input_prefix": "x"})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "input_prefix"
+
+
 def test_model_retrieve(qwen):
     client = qwen.client()
     m = client.models.retrieve(QWEN.name)

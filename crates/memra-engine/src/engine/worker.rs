@@ -619,7 +619,12 @@ fn settle(
 }
 
 /// Ends a sequence: the text held back, the scores, the counts; its blocks go back.
-fn finish(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, reason: FinishReason) {
+fn finish(
+    sched: &mut Scheduler,
+    live: &mut HashMap<SeqId, Live>,
+    id: SeqId,
+    mut reason: FinishReason,
+) {
     let seq = sched.remove(id);
     let Some(mut l) = live.remove(&id) else {
         return;
@@ -627,8 +632,12 @@ fn finish(sched: &mut Scheduler, live: &mut HashMap<SeqId, Live>, id: SeqId, rea
     send_scores(&mut l);
     let mut text = String::new();
     if reason != FinishReason::StopString {
-        let (t, _) = l.filter.push(&l.decoder.finish());
+        let (t, hit) = l.filter.push(&l.decoder.finish());
         text = t + &l.filter.take_held();
+        if hit {
+            // The decoder's last bytes completed a stop string: the text ends before it.
+            reason = FinishReason::StopString;
+        }
     }
     let usage = Usage {
         prompt_tokens: l.request.prompt.len(),

@@ -124,7 +124,50 @@ const END_OF_TURN_TEXTS: [&str; 6] = [
     "<|eom_id|>",
 ];
 
+/// Fill-in-the-middle tokens of a code model: a prompt of prefix, suffix and the middle
+/// marker, after which the model writes the middle; repository-level context where the
+/// model has its markers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FimTokens {
+    pub prefix: u32,
+    pub suffix: u32,
+    pub middle: u32,
+    /// Starts the repository's name (Qwen2.5-Coder's `<|repo_name|>`).
+    pub repo: Option<u32>,
+    /// Starts each file of the context (`<|file_sep|>`).
+    pub file_sep: Option<u32>,
+}
+
+/// The FIM markers' texts in the vocabularies that have them: (prefix, suffix, middle).
+const FIM_TEXTS: [(&str, &str, &str); 4] = [
+    // Qwen2.5-Coder, CodeGemma, StarCoder2's GGUF conversions.
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    // StarCoder, SantaCoder.
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    // DeepSeek-Coder: begin, hole, end.
+    (
+        "<\u{ff5c}fim\u{2581}begin\u{ff5c}>",
+        "<\u{ff5c}fim\u{2581}hole\u{ff5c}>",
+        "<\u{ff5c}fim\u{2581}end\u{ff5c}>",
+    ),
+    // Code Llama (SentencePiece pieces).
+    ("\u{2581}<PRE>", "\u{2581}<SUF>", "\u{2581}<MID>"),
+];
+
 impl Tokenizer {
+    /// The model's fill-in-the-middle tokens, if its vocabulary has a known set.
+    pub fn fim(&self) -> Option<FimTokens> {
+        FIM_TEXTS.iter().find_map(|&(p, s, m)| {
+            Some(FimTokens {
+                prefix: self.token_id(p)?,
+                suffix: self.token_id(s)?,
+                middle: self.token_id(m)?,
+                repo: self.token_id("<|repo_name|>"),
+                file_sep: self.token_id("<|file_sep|>"),
+            })
+        })
+    }
+
     /// Builds the tokenizer a GGUF file describes.
     pub fn from_metadata(m: &Metadata) -> Result<Tokenizer, TokenizerError> {
         let model_name = m.require(m.get_str("tokenizer.ggml.model"), "tokenizer.ggml.model")?;
