@@ -281,6 +281,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     let limit = state.config.body_limit;
     Router::new()
@@ -403,8 +404,10 @@ fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
     serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("malformed JSON: {e}")))
 }
 
-/// llama-server's `/tokenize`: `{"content", "add_special" (false), "parse_special" (true),
-/// "with_pieces" (false)}` to `{"tokens": [...]}`.
+/// `/tokenize` in llama-server's shape, `{"content", "add_special" (false), "parse_special"
+/// (true), "with_pieces" (false)}` to `{"tokens": [...]}`, or in vLLM's, `{"prompt",
+/// "add_special_tokens" (true)}` to `{"count", "max_model_len", "tokens", "token_strs"}`
+/// (what lm-evaluation-harness's remote tokenizer sends).
 async fn tokenize(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
@@ -412,9 +415,29 @@ async fn tokenize(
     let r = st.ready()?;
     let v = json_body(body)?;
     let f = Fields::of(&v)?;
-    let content = f
-        .string("content")?
-        .ok_or_else(|| ApiError::invalid("content", "Missing required parameter: 'content'"))?;
+    if f.get("content").is_none() {
+        if let Some(prompt) = f.string("prompt")? {
+            let add = f.bool("add_special_tokens")?.unwrap_or(true);
+            let ids = r
+                .engine
+                .model()
+                .tokenizer
+                .encode(prompt, add, true)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
+            return Ok(Json(json!({
+                "count": ids.len(),
+                "max_model_len": r.engine.info().n_ctx,
+                "tokens": ids,
+                "token_strs": null,
+            })));
+        }
+    }
+    let content = f.string("content")?.ok_or_else(|| {
+        ApiError::invalid(
+            "content",
+            "Missing required parameter: 'content' (or vLLM's 'prompt')",
+        )
+    })?;
     let add_special = f.bool("add_special")?.unwrap_or(false);
     let parse_special = f.bool("parse_special")?.unwrap_or(true);
     let with_pieces = f.bool("with_pieces")?.unwrap_or(false);
@@ -439,7 +462,8 @@ async fn tokenize(
     Ok(Json(json!({ "tokens": tokens })))
 }
 
-/// llama-server's `/detokenize`: `{"tokens": [...]}` to `{"content"}`.
+/// `/detokenize`: `{"tokens": [...]}` to `{"content"}` (llama-server's name) and
+/// `{"prompt"}` (vLLM's), the same text.
 async fn detokenize(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
@@ -463,7 +487,26 @@ async fn detokenize(
         .tokenizer
         .decode_lossy(&ids, true)
         .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
-    Ok(Json(json!({ "content": content })))
+    Ok(Json(json!({ "content": content, "prompt": content })))
+}
+
+/// vLLM's `GET /tokenizer_info`: the special tokens' texts, the chat template, the
+/// context: what a client needs to use `/tokenize` and `/detokenize` as its tokenizer.
+async fn tokenizer_info(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let r = st.ready()?;
+    let tok = &r.engine.model().tokenizer;
+    let text = |t: &str| (!t.is_empty()).then(|| t.to_string());
+    Ok(Json(json!({
+        "tokenizer_class": "memra",
+        "bos_token": text(&r.bos),
+        "eos_token": text(&r.eos),
+        "pad_token": null,
+        "add_bos_token": tok.add_bos,
+        "add_eos_token": tok.add_eos,
+        "chat_template": r.template.source(),
+        "model_max_length": r.engine.info().n_ctx,
+        "vocab_size": tok.n_vocab(),
+    })))
 }
 
 /// The `x-request-id` header of a response.

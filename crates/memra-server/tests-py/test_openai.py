@@ -376,9 +376,25 @@ def test_tokenize_round_trip(qwen):
     ids = r.json()["tokens"]
     assert all(isinstance(i, int) for i in ids)
     back = qwen.post("/detokenize", {"tokens": ids}).json()
-    assert back == {"content": text}
+    assert back == {"content": text, "prompt": text}
     pieces = qwen.post("/tokenize", {"content": "Hello world", "with_pieces": True}).json()
     assert "".join(p["piece"] for p in pieces["tokens"]) == "Hello world"
+
+
+def test_vllm_tokenizer_endpoints_as_lm_eval_calls_them(qwen):
+    """lm-evaluation-harness's remote tokenizer: `/tokenizer_info`, then `/tokenize` with
+    vLLM's fields and `/detokenize`'s `prompt`."""
+    info = httpx.get(qwen.url + "/tokenizer_info", headers=qwen.headers()).json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == QWEN_CTX
+    assert "im_start" in info["chat_template"]
+    text = "Hello world, 世界!"
+    want = qwen.post("/tokenize", {"content": text}).json()["tokens"]
+    r = qwen.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert (r["tokens"], r["count"], r["max_model_len"]) == (want, len(want), QWEN_CTX)
+    eos = qwen.post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"] == [151645]  # the special token, parsed as vLLM parses it
+    assert qwen.post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == text
+    assert httpx.get(qwen.url + "/tokenizer_info").status_code == 401
 
 
 def error_of(r: httpx.Response, status: int, param=None):
@@ -591,7 +607,8 @@ def test_garbage_bodies_get_4xx_and_the_server_goes_on(qwen):
               b'{"prompt": "", "max_tokens": 1}',
               b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["' + b"s" * 5000
               + b'"], "max_tokens": 1}']
-    for path in ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]:
+    for path in ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
+                 "/completion", "/infill"]:
         for body in bodies:
             r = httpx.post(qwen.url + path, content=body,
                            headers={**qwen.headers(), "content-type": "application/json"})
