@@ -26,7 +26,7 @@ use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::fim::{self, ExtraFile, Repo};
-use crate::openai::{prepare, submit, token_piece, Events, Inflight, Job};
+use crate::openai::{prepare, submit, token_entries, Events, Inflight, Job};
 use crate::params::{Endpoint, MAX_TOP_LOGPROBS};
 use crate::{json_body, request_id_header, AppState};
 
@@ -220,22 +220,7 @@ struct Choice {
 impl Out {
     /// `completion_probabilities` entries, llama-server's shape.
     fn probs(&self, tokens: &[TokenEvent]) -> Value {
-        let entry = |id: u32, lp: f32| {
-            let (text, bytes) = token_piece(&self.model, id);
-            json!({"id": id, "token": text, "bytes": bytes, "logprob": lp})
-        };
-        tokens
-            .iter()
-            .map(|t| {
-                let mut e = entry(t.id, t.logprob.unwrap_or(0.0));
-                e["top_logprobs"] = t
-                    .top_logprobs
-                    .iter()
-                    .map(|&(id, lp)| entry(id, lp))
-                    .collect();
-                e
-            })
-            .collect()
+        Value::Array(token_entries(&self.model, tokens, true))
     }
 
     fn token_ids(&self, tokens: &[TokenEvent]) -> Vec<u32> {

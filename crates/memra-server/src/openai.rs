@@ -491,18 +491,28 @@ fn usage_json(job: &Job, outs: &[Usage]) -> Value {
 }
 
 /// A token as the logprobs fields show it: its text (special tokens too) and bytes.
-pub(crate) fn token_piece(model: &Model, id: u32) -> (String, Vec<u8>) {
+fn token_piece(model: &Model, id: u32) -> (String, Vec<u8>) {
     let bytes = model.tokenizer.token_bytes(id, true).unwrap_or_default();
     (String::from_utf8_lossy(&bytes).into_owned(), bytes)
 }
 
 /// Chat's `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`.
 fn chat_logprobs(model: &Model, tokens: &[TokenEvent]) -> Value {
-    let entry = |id: u32, lp: f32| {
-        let (text, bytes) = token_piece(model, id);
-        json!({"token": text, "logprob": lp, "bytes": bytes})
+    json!({ "content": token_entries(model, tokens, false) })
+}
+
+/// Each token as `{"token", "logprob", "bytes", "top_logprobs": [...]}`, its alternatives
+/// alike; with `id`, each with its `"id"` too (llama-server's `completion_probabilities`).
+pub(crate) fn token_entries(model: &Model, tokens: &[TokenEvent], id: bool) -> Vec<Value> {
+    let entry = |t: u32, lp: f32| {
+        let (text, bytes) = token_piece(model, t);
+        let mut e = json!({"token": text, "logprob": lp, "bytes": bytes});
+        if id {
+            e["id"] = json!(t);
+        }
+        e
     };
-    let content: Vec<Value> = tokens
+    tokens
         .iter()
         .map(|t| {
             let mut e = entry(t.id, t.logprob.unwrap_or(0.0));
@@ -513,8 +523,7 @@ fn chat_logprobs(model: &Model, tokens: &[TokenEvent]) -> Value {
                 .collect();
             e
         })
-        .collect();
-    json!({ "content": content })
+        .collect()
 }
 
 /// Completions' `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`,
