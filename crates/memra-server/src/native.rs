@@ -18,7 +18,7 @@ use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use memra_engine::engine::{Event, FinishReason, Request, TokenEvent, Usage};
+use memra_engine::engine::{Event, FinishReason, Request, TokenEvent};
 use memra_engine::models::Model;
 use memra_engine::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
@@ -26,7 +26,7 @@ use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::fim::{self, ExtraFile, Repo};
-use crate::openai::{prepare, submit, token_entries, Events, Inflight, Job};
+use crate::openai::{gather, prepare, submit, token_entries, ChoiceOut, Events, Inflight, Job};
 use crate::params::{Endpoint, MAX_TOP_LOGPROBS};
 use crate::{json_body, request_id_header, AppState};
 
@@ -209,14 +209,6 @@ struct Out {
     start: Instant,
 }
 
-/// What one prompt's sequence produced.
-#[derive(Default)]
-struct Choice {
-    content: String,
-    tokens: Vec<TokenEvent>,
-    first_token: Option<Instant>,
-}
-
 impl Out {
     /// `completion_probabilities` entries, llama-server's shape.
     fn probs(&self, tokens: &[TokenEvent]) -> Value {
@@ -246,20 +238,20 @@ impl Out {
         c
     }
 
-    /// Choice `i`'s last object: everything but the text when streamed.
-    fn last(&self, i: usize, c: &Choice, end: &End, streamed: bool) -> Value {
+    /// Choice `i`'s last object (it has ended): everything but the text when streamed.
+    fn last(&self, i: usize, c: &ChoiceOut, streamed: bool) -> Value {
         let r: &Request = &self.job.choices[i];
         let p = &r.params;
-        let (stop_type, word) = match end.reason {
+        let (stop_type, word) = match c.finish.expect("the choice ended") {
             FinishReason::EndOfGeneration => ("eos", ""),
-            FinishReason::StopString => ("word", end.stop.as_deref().unwrap_or("")),
+            FinishReason::StopString => ("word", c.stop.as_deref().unwrap_or("")),
             FinishReason::Length => ("limit", ""),
         };
         let now = Instant::now();
         let first = c.first_token.unwrap_or(now);
-        let prompt_n = end.usage.prompt_tokens - end.usage.cached_tokens;
+        let prompt_n = c.usage.prompt_tokens - c.usage.cached_tokens;
         let prompt_ms = (first - self.start).as_secs_f64() * 1e3;
-        let predicted_n = end.usage.completion_tokens;
+        let predicted_n = c.usage.completion_tokens;
         let predicted_ms = (now - first).as_secs_f64() * 1e3;
         let per = |n: usize, ms: f64| (ms / n.max(1) as f64, n as f64 / (ms / 1e3).max(1e-9));
         let (prompt_per_token_ms, prompt_per_second) = per(prompt_n, prompt_ms);
@@ -267,7 +259,7 @@ impl Out {
         let s = &p.sampler;
         let mut out = json!({
             "index": i,
-            "content": if streamed { "" } else { c.content.as_str() },
+            "content": if streamed { "" } else { c.text.as_str() },
             "tokens": if streamed { Vec::new() } else { self.token_ids(&c.tokens) },
             "stop": true,
             "model": self.job.model,
@@ -283,11 +275,11 @@ impl Out {
                 "ignore_eos": p.ignore_eos,
             },
             "prompt": self.model.tokenizer.decode_lossy(&r.prompt, false).unwrap_or_default(),
-            "has_new_line": c.content.contains('\n'),
+            "has_new_line": c.text.contains('\n'),
             "truncated": false,
             "stop_type": stop_type,
             "stopping_word": word,
-            "tokens_cached": end.usage.cached_tokens,
+            "tokens_cached": c.usage.cached_tokens,
             "timings": {
                 "prompt_n": prompt_n, "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_per_token_ms, "prompt_per_second": prompt_per_second,
@@ -303,54 +295,13 @@ impl Out {
     }
 }
 
-/// How a choice ended.
-struct End {
-    reason: FinishReason,
-    stop: Option<String>,
-    usage: Usage,
-}
-
 /// One object for one prompt, an array for several (as llama-server answers).
 async fn collect(out: Out, mut rx: Events, guard: Inflight) -> Result<Response, ApiError> {
-    let n = out.job.choices.len();
-    let mut choices: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
-    let mut ends: Vec<Option<End>> = (0..n).map(|_| None).collect();
-    let mut left = n;
-    while left > 0 {
-        let Some((i, e)) = rx.recv().await else {
-            return Err(ApiError::internal("the engine stopped"));
-        };
-        let c = &mut choices[i];
-        match e {
-            Event::Token(t) => {
-                c.first_token.get_or_insert_with(Instant::now);
-                c.content.push_str(&t.text);
-                c.tokens.push(t);
-            }
-            Event::Finished {
-                reason,
-                text,
-                usage,
-                stop,
-            } => {
-                c.content.push_str(&text);
-                ends[i] = Some(End {
-                    reason,
-                    stop,
-                    usage,
-                });
-                left -= 1;
-            }
-            Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
-            Event::PromptScores(_) => {}
-        }
-    }
-    drop(guard);
+    let choices = gather(out.job.choices.len(), &mut rx, guard).await?;
     let mut all: Vec<Value> = choices
         .iter()
-        .zip(&ends)
         .enumerate()
-        .map(|(i, (c, e))| out.last(i, c, e.as_ref().expect("every choice ended"), false))
+        .map(|(i, c)| out.last(i, c, false))
         .collect();
     Ok(match all.len() {
         1 => Json(all.pop().expect("one")).into_response(),
@@ -364,7 +315,7 @@ fn stream(out: Out, rx: Events, guard: Inflight) -> Response {
         out: Out,
         rx: Events,
         _guard: Inflight,
-        choices: Vec<Choice>,
+        choices: Vec<ChoiceOut>,
         predicted: Vec<usize>,
         queue: VecDeque<SseEvent>,
         left: usize,
@@ -373,7 +324,7 @@ fn stream(out: Out, rx: Events, guard: Inflight) -> Response {
         out,
         rx,
         _guard: guard,
-        choices: (0..n).map(|_| Choice::default()).collect(),
+        choices: (0..n).map(|_| ChoiceOut::default()).collect(),
         predicted: vec![0; n],
         queue: VecDeque::new(),
         left: n,
@@ -394,7 +345,7 @@ fn stream(out: Out, rx: Events, guard: Inflight) -> Response {
             match e {
                 Event::Token(t) => {
                     s.choices[i].first_token.get_or_insert_with(Instant::now);
-                    s.choices[i].content.push_str(&t.text);
+                    s.choices[i].text.push_str(&t.text);
                     s.predicted[i] += 1;
                     if !t.text.is_empty() || s.out.job.logprobs.is_some() || s.out.return_tokens {
                         let c = s
@@ -410,16 +361,11 @@ fn stream(out: Out, rx: Events, guard: Inflight) -> Response {
                     stop,
                 } => {
                     if !text.is_empty() {
-                        s.choices[i].content.push_str(&text);
                         let c = s.out.partial(i, &text, &[], s.predicted[i]);
                         s.queue.push_back(data(c));
                     }
-                    let end = End {
-                        reason,
-                        stop,
-                        usage,
-                    };
-                    let c = s.out.last(i, &s.choices[i], &end, true);
+                    s.choices[i].finished(reason, &text, usage, stop);
+                    let c = s.out.last(i, &s.choices[i], true);
                     s.queue.push_back(data(c));
                     s.left -= 1;
                 }

@@ -169,26 +169,25 @@ pub(crate) fn prepare(
             let mut ids = Vec::new();
             let mut texts = Vec::new();
             for p in params::prompts(&f)? {
-                match p {
+                match (p, suffix) {
                     // With a suffix, the prompt is the text before the hole (fim.rs).
-                    Prompt::Text(s) if suffix.is_some() => {
+                    (Prompt::Text(s), Some(sfx)) => {
                         let before = tok
                             .encode(&s, false, false)
                             .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
-                        let sfx = suffix.unwrap_or_default();
                         ids.push(fim::prompt(tok, "suffix", None, &before, sfx)?);
                         texts.push(s);
                     }
                     // As `memra run`: BOS when the model asks for it, special tokens parsed.
-                    Prompt::Text(s) => {
+                    (Prompt::Text(s), None) => {
                         ids.push(encode(&s, true, "prompt")?);
                         texts.push(s);
                     }
-                    Prompt::Tokens(t) => {
+                    (Prompt::Tokens(t), sfx) => {
                         if echo {
                             texts.push(tok.decode_lossy(&t, false).unwrap_or_default());
                         }
-                        ids.push(match suffix {
+                        ids.push(match sfx {
                             Some(sfx) => fim::prompt(tok, "suffix", None, &t, sfx)?,
                             None => t,
                         });
@@ -465,13 +464,70 @@ pub(crate) fn submit(
 
 /// What one choice produced.
 #[derive(Default)]
-struct ChoiceOut {
-    text: String,
-    tokens: Vec<TokenEvent>,
+pub(crate) struct ChoiceOut {
+    pub(crate) text: String,
+    pub(crate) tokens: Vec<TokenEvent>,
+    /// When its first token came (llama-server's timings).
+    pub(crate) first_token: Option<Instant>,
     /// An echoed prompt's scores (with `logprobs`).
     prompt_scores: Vec<PromptScore>,
-    finish: Option<FinishReason>,
-    usage: Usage,
+    pub(crate) finish: Option<FinishReason>,
+    /// The stop string that ended it, if one did.
+    pub(crate) stop: Option<String>,
+    pub(crate) usage: Usage,
+}
+
+impl ChoiceOut {
+    /// Its end (the fields of the engine's `Finished`): the text held back added.
+    pub(crate) fn finished(
+        &mut self,
+        reason: FinishReason,
+        text: &str,
+        usage: Usage,
+        stop: Option<String>,
+    ) {
+        self.text.push_str(text);
+        self.finish = Some(reason);
+        self.usage = usage;
+        self.stop = stop;
+    }
+}
+
+/// Every choice's events until each has ended (answers that are not streamed); the
+/// sequences' guard goes when they have.
+pub(crate) async fn gather(
+    n: usize,
+    rx: &mut Events,
+    guard: Inflight,
+) -> Result<Vec<ChoiceOut>, ApiError> {
+    let mut outs: Vec<ChoiceOut> = (0..n).map(|_| ChoiceOut::default()).collect();
+    let mut left = n;
+    while left > 0 {
+        let Some((i, e)) = rx.recv().await else {
+            return Err(ApiError::internal("the engine stopped"));
+        };
+        let o = &mut outs[i];
+        match e {
+            Event::Token(t) => {
+                o.first_token.get_or_insert_with(Instant::now);
+                o.text.push_str(&t.text);
+                o.tokens.push(t);
+            }
+            Event::Finished {
+                reason,
+                text,
+                usage,
+                stop,
+            } => {
+                o.finished(reason, &text, usage, stop);
+                left -= 1;
+            }
+            Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+            Event::PromptScores(s) => o.prompt_scores = s,
+        }
+    }
+    drop(guard);
+    Ok(outs)
 }
 
 /// The usage of a whole request: each prompt counted once, every choice's tokens.
@@ -595,42 +651,12 @@ async fn collect(
     guard: Inflight,
     model: &Model,
 ) -> Result<Response, ApiError> {
-    let n = job.choices.len();
-    let mut outs: Vec<ChoiceOut> = (0..n).map(|_| ChoiceOut::default()).collect();
+    let mut outs = gather(job.choices.len(), &mut rx, guard).await?;
     for (i, o) in outs.iter_mut().enumerate() {
         if let Some(e) = job.echo.get(job.prompt_of[i]) {
-            o.text.push_str(e);
+            o.text.insert_str(0, e);
         }
     }
-    let mut left = n;
-    while left > 0 {
-        let Some((i, e)) = rx.recv().await else {
-            return Err(ApiError::internal("the engine stopped"));
-        };
-        let o = &mut outs[i];
-        match e {
-            Event::Token(t) => {
-                o.text.push_str(&t.text);
-                if job.logprobs.is_some() {
-                    o.tokens.push(t);
-                }
-            }
-            Event::Finished {
-                reason,
-                text,
-                usage,
-                ..
-            } => {
-                o.text.push_str(&text);
-                o.finish = Some(reason);
-                o.usage = usage;
-                left -= 1;
-            }
-            Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
-            Event::PromptScores(s) => o.prompt_scores = s,
-        }
-    }
-    drop(guard);
     let usages: Vec<Usage> = outs.iter().map(|o| o.usage.clone()).collect();
     let usage = usage_json(&job, &usages);
     let finish = |o: &ChoiceOut| o.finish.map(finish_reason);
