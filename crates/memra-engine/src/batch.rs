@@ -23,11 +23,15 @@ pub enum RowPick<'a> {
     Logits,
 }
 
-/// A row's result, as its [`RowPick`] asked.
+/// A row's result, as its [`RowPick`] asked; or a hidden row's state
+/// ([`ForwardBatch::hidden_rows`]).
 #[derive(Clone, Debug, PartialEq)]
 pub enum RowOut {
     Token(u32),
     Logits(Vec<f32>),
+    /// The token's last hidden state after the output norm (`n_embd`), before the output
+    /// projection: what embeddings pool.
+    Hidden(Vec<f32>),
 }
 
 impl RowOut {
@@ -35,7 +39,7 @@ impl RowOut {
     pub fn into_logits(self) -> Vec<f32> {
         match self {
             RowOut::Logits(l) => l,
-            RowOut::Token(_) => panic!("a sampled row has no logits"),
+            RowOut::Token(_) | RowOut::Hidden(_) => panic!("a sampled or hidden row has no logits"),
         }
     }
 }
@@ -59,6 +63,9 @@ pub struct ForwardBatch {
     pub block_tables: Vec<BlockId>,
     /// Tokens whose logits the step returns, in order `[R]`.
     pub logit_rows: Vec<u32>,
+    /// Tokens whose hidden state after the output norm the step returns, after the logit
+    /// rows' results, in order `[H]` (embeddings).
+    pub hidden_rows: Vec<u32>,
     /// Sequences of a few tokens that a backend may compute as decodes, each token a row
     /// at its own position (the GPU does while the rows fit its mat-vec kernels): a
     /// speculative verify step (the last token and its drafts), a draft model catching up
@@ -128,6 +135,17 @@ impl ForwardBatch {
         self.query_start[s] as usize..self.query_start[s + 1] as usize
     }
 
+    /// Also returns the hidden states of the last sequence pushed at these of its new
+    /// tokens (by index among them).
+    pub fn push_hidden(&mut self, rows: impl IntoIterator<Item = usize>) {
+        let s = self.n_seqs() - 1;
+        let r = self.seq_tokens(s);
+        for i in rows {
+            assert!(i < r.len());
+            self.hidden_rows.push((r.start + i) as u32);
+        }
+    }
+
     /// Marks the last sequence pushed as one to compute as decodes
     /// ([`ForwardBatch::as_decodes`]).
     pub fn mark_as_decodes(&mut self) {
@@ -169,9 +187,10 @@ impl ForwardBatch {
         if self
             .logit_rows
             .iter()
+            .chain(&self.hidden_rows)
             .any(|&r| r as usize >= self.n_tokens())
         {
-            return Err("a logit row outside the batch".into());
+            return Err("a logit or hidden row outside the batch".into());
         }
         Ok(())
     }
@@ -193,6 +212,9 @@ mod tests {
         assert_eq!(b.block_table(0), [7, 2]);
         assert_eq!(b.block_table(1), [9]);
         assert_eq!(b.logit_rows, [2, 3]);
+        b.push(&[30, 31], 0, &[4], []);
+        b.push_hidden([0, 1]);
+        assert_eq!(b.hidden_rows, [4, 5]);
         b.validate(100, 10).unwrap();
         assert!(b.validate(15, 10).unwrap_err().contains("vocabulary"));
         assert!(b.validate(100, 8).unwrap_err().contains("outside the pool"));

@@ -105,7 +105,7 @@ fn run_all(e: &Engine, reqs: &[Request]) -> Vec<(Vec<u32>, Usage)> {
                     Event::Token(t) => ids.push(t.id),
                     Event::Finished { usage, .. } => return (ids, usage),
                     Event::Error(e) => panic!("{e}"),
-                    Event::PromptScores(_) => {}
+                    Event::PromptScores(_) | Event::Embedding(_) => {}
                 }
             }
             panic!("no finish")

@@ -102,9 +102,9 @@ impl ApiError {
                 ApiError::invalid(prompt_field, e.to_string())
             }
             EngineError::NoTokens => ApiError::invalid("max_tokens", e.to_string()),
-            EngineError::Sampler(_) | EngineError::BadScoring { .. } => {
-                ApiError::bad_request(e.to_string())
-            }
+            EngineError::Sampler(_)
+            | EngineError::BadScoring { .. }
+            | EngineError::BadEmbedding => ApiError::bad_request(e.to_string()),
             EngineError::Stopped => ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 kind: "unavailable_error",

@@ -3,12 +3,13 @@
 //! It knows wire types, server-sent events and chat templates, nothing of kernels: the
 //! caller hands it a loader that returns a started [`Engine`]. The server binds first and
 //! loads after (`/health` says 503 until the engine is up), then serves
-//! `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`,
-//! `/tokenize` and `/detokenize`. Engine calls never block: requests go in with
+//! `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/models`, `/health`,
+//! `/metrics`, `/tokenize` and `/detokenize`. Engine calls never block: requests go in with
 //! `Engine::submit_with`, whose sink (on the engine thread) forwards events into a tokio
 //! channel and reports a closed channel, which cancels the request.
 
 mod call_stream;
+mod embeddings;
 pub mod error;
 mod fim;
 pub mod metrics;
@@ -32,7 +33,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use memra_engine::engine::Engine;
+use memra_engine::engine::{Engine, Pooling};
 use memra_engine::tokenizer::template::{ChatTemplate, TemplateError};
 use serde_json::{json, Value};
 
@@ -59,6 +60,11 @@ pub struct ServerConfig {
     pub body_limit: usize,
     /// How the model writes tool calls, instead of what its chat template says.
     pub tool_format: Option<tools::ToolFormat>,
+    /// Serve `/v1/embeddings` (`--embeddings`).
+    pub embeddings: bool,
+    /// How embeddings pool the prompt's states, instead of what the file says (or, where
+    /// it says nothing, the last token's, as vLLM pools decoder models).
+    pub pooling: Option<Pooling>,
 }
 
 /// Loads the model and starts the engine (on a blocking thread, while the server already
@@ -78,6 +84,8 @@ struct Ready {
     template_has_tools: bool,
     /// Unix time the model became ready (`created` of `/v1/models`).
     created: u64,
+    /// How `/v1/embeddings` pools; `None`: embeddings are not served.
+    pooling: Option<Pooling>,
 }
 
 struct AppState {
@@ -157,6 +165,7 @@ async fn serve(config: ServerConfig, load: Loader) -> Result<()> {
     let grace = config.grace;
     let template_choice = config.chat_template.clone();
     let tool_format = config.tool_format;
+    let embeddings = config.embeddings.then_some(config.pooling);
     let state = Arc::new(AppState {
         config,
         ready: OnceLock::new(),
@@ -180,7 +189,7 @@ async fn serve(config: ServerConfig, load: Loader) -> Result<()> {
         let state = state.clone();
         tokio::task::spawn_blocking(move || -> Result<()> {
             let engine = load()?;
-            let ready = make_ready(engine, template_choice.as_deref(), tool_format)?;
+            let ready = make_ready(engine, template_choice.as_deref(), tool_format, embeddings)?;
             let info = ready.engine.info();
             tracing::info!(
                 "ready: {} sequences at once, context {}, KV pool {} positions ({} blocks of {})",
@@ -219,12 +228,33 @@ async fn serve(config: ServerConfig, load: Loader) -> Result<()> {
     Ok(())
 }
 
+/// `embeddings`: served, with the pooling asked for if any.
 fn make_ready(
     engine: Engine,
     choice: Option<&str>,
     tool_format: Option<tools::ToolFormat>,
+    embeddings: Option<Option<Pooling>>,
 ) -> Result<Ready> {
     let model = engine.model().clone();
+    let pooling = match embeddings {
+        None => None,
+        Some(asked) => {
+            let m = &model.file.metadata;
+            if m.get_bool(&format!("{}.attention.causal", model.arch))? == Some(false) {
+                anyhow::bail!(
+                    "the model's attention is not causal ({}.attention.causal false), \
+                     which memra does not compute: its embeddings would be wrong",
+                    model.arch
+                );
+            }
+            let p = match asked {
+                Some(p) => p,
+                None => Pooling::from_metadata(m, &model.arch)?.unwrap_or(Pooling::Last),
+            };
+            tracing::info!("embeddings with {} pooling", p.name());
+            Some(p)
+        }
+    };
     let template = match ChatTemplate::select(&model.file.metadata, choice) {
         Ok(t) => t,
         // llama-server's fallback for a model without a template.
@@ -246,6 +276,7 @@ fn make_ready(
         engine: Arc::new(engine),
         template,
         created: unix_time(),
+        pooling,
     })
 }
 
@@ -274,6 +305,7 @@ fn router(state: Arc<AppState>) -> Router {
     let protected = Router::new()
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/completion", post(native::completion))
         .route("/completions", post(native::completion))
         .route("/infill", post(native::infill))

@@ -70,7 +70,7 @@ async fn serve(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, infill: b
             job.choices.first().map_or(0, |c| c.params.max_tokens),
             job.stream
         );
-        let (rx, guard) = submit(&st, ready, &job, start)?;
+        let (rx, guard) = submit(&st, ready, &job.id, &job.choices, start)?;
         let out = Out {
             job,
             model: ready.engine.model().clone(),
@@ -374,7 +374,7 @@ fn stream(out: Out, rx: Events, guard: Inflight) -> Response {
                     s.queue.push_back(data(err.body()));
                     s.left = 0;
                 }
-                Event::PromptScores(_) => {}
+                Event::PromptScores(_) | Event::Embedding(_) => {}
             }
         }
     });

@@ -51,7 +51,7 @@ pub(crate) async fn completions(
 /// What a request asks, checked and tokenized.
 pub(crate) struct Job {
     endpoint: Endpoint,
-    id: String,
+    pub(crate) id: String,
     created: u64,
     pub(crate) model: String,
     /// One sequence per choice, in choice order (prompt by prompt, `n` each).
@@ -94,7 +94,7 @@ async fn handle(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, ep: Endp
             job.choices.first().map_or(0, |c| c.params.max_tokens),
             job.stream
         );
-        let (rx, guard) = submit(&st, ready, &job, start)?;
+        let (rx, guard) = submit(&st, ready, &job.id, &job.choices, start)?;
         let model = ready.engine.model().clone();
         if job.stream {
             Ok(stream(job, rx, guard, model))
@@ -242,6 +242,7 @@ pub(crate) fn prepare(
                     constraint: constraint.clone(),
                     draft_max: c.draft_max,
                     draft_min: c.draft_min,
+                    embed: None,
                 },
             };
             r.engine
@@ -388,14 +389,16 @@ pub(crate) fn finish_reason(r: FinishReason) -> &'static str {
 
 pub(crate) type Events = UnboundedReceiver<(usize, Event)>;
 
-/// Queues the job's sequences; refuses it (503) when the queue is full.
+/// Queues a request's sequences (`choices`, the request's id `id`); refuses them (503)
+/// when the queue is full.
 pub(crate) fn submit(
     st: &Arc<AppState>,
     r: &Ready,
-    job: &Job,
+    id: &str,
+    choices: &[Request],
     start: Instant,
 ) -> Result<(Events, Inflight), ApiError> {
-    let n = job.choices.len();
+    let n = choices.len();
     let cap = st.capacity();
     let before = st.pending.fetch_add(n, Ordering::AcqRel);
     // One request larger than the whole queue still runs when nothing else waits.
@@ -410,10 +413,10 @@ pub(crate) fn submit(
         ids: Vec::with_capacity(n),
         claimed: claimed.clone(),
         n,
-        request: job.id.clone(),
+        request: id.to_string(),
     };
     let (tx, rx) = unbounded_channel();
-    for (i, request) in job.choices.iter().enumerate() {
+    for (i, request) in choices.iter().enumerate() {
         let tx = tx.clone();
         let st = st.clone();
         let claimed = claimed.clone();
@@ -449,7 +452,7 @@ pub(crate) fn submit(
                         m.finished("error");
                     }
                 }
-                Event::PromptScores(_) => {}
+                Event::PromptScores(_) | Event::Embedding(_) => {}
             }
             tx.send((i, e)).is_ok()
         });
@@ -471,6 +474,8 @@ pub(crate) struct ChoiceOut {
     pub(crate) first_token: Option<Instant>,
     /// An echoed prompt's scores (with `logprobs`).
     prompt_scores: Vec<PromptScore>,
+    /// An embedding request's pooled state.
+    pub(crate) embedding: Vec<f32>,
     pub(crate) finish: Option<FinishReason>,
     /// The stop string that ended it, if one did.
     pub(crate) stop: Option<String>,
@@ -524,6 +529,7 @@ pub(crate) async fn gather(
             }
             Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
             Event::PromptScores(s) => o.prompt_scores = s,
+            Event::Embedding(v) => o.embedding = v,
         }
     }
     drop(guard);
@@ -908,6 +914,7 @@ impl Streamer {
                     }
                 }
             }
+            Event::Embedding(_) => {}
         }
     }
 

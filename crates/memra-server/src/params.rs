@@ -367,26 +367,35 @@ pub enum Prompt {
 /// `prompt`: a string, an array of strings, an array of token ids, or an array of arrays
 /// of token ids.
 pub fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
+    prompts_in(f, "prompt", MAX_PROMPTS)
+}
+
+/// At most `max` prompts in `field`, in the four forms of [`prompts`] (embeddings'
+/// `input`).
+pub fn prompts_in(f: &Fields, field: &str, max: usize) -> Result<Vec<Prompt>, ApiError> {
     let want = "a string, an array of strings, or an array of token ids (or of such arrays)";
     let ids = |a: &[Value]| -> Option<Vec<u32>> {
         a.iter()
             .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
             .collect()
     };
-    let out = match f.get("prompt") {
+    let out = match f.get(field) {
         None => {
             return Err(ApiError::invalid(
-                "prompt",
-                "Missing required parameter: 'prompt'",
+                field,
+                format!("Missing required parameter: '{field}'"),
             ))
         }
         Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
         Some(Value::Array(a)) if a.is_empty() => {
-            return Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
+            return Err(ApiError::invalid(
+                field,
+                format!("'{field}' must not be empty"),
+            ))
         }
         Some(Value::Array(a)) if a[0].is_number() => {
             vec![Prompt::Tokens(
-                ids(a).ok_or_else(|| type_error("prompt", want))?,
+                ids(a).ok_or_else(|| type_error(field, want))?,
             )]
         }
         Some(Value::Array(a)) => a
@@ -397,13 +406,13 @@ pub fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
                 _ => None,
             })
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| type_error("prompt", want))?,
-        Some(_) => return Err(type_error("prompt", want)),
+            .ok_or_else(|| type_error(field, want))?,
+        Some(_) => return Err(type_error(field, want)),
     };
-    if out.len() > MAX_PROMPTS {
+    if out.len() > max {
         return Err(ApiError::invalid(
-            "prompt",
-            format!("at most {MAX_PROMPTS} prompts per request"),
+            field,
+            format!("at most {max} prompts per request"),
         ));
     }
     Ok(out)

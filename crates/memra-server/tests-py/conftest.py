@@ -1,6 +1,7 @@
 """Fixtures: real `memra serve` processes on 127.0.0.1 (free ports), on the CPU.
 
-- `qwen`: Qwen2.5-Coder 0.5B Instruct (from the model cache), with an API key;
+- `qwen`: Qwen2.5-Coder 0.5B Instruct (from the model cache), with an API key and
+  `/v1/embeddings`;
 - `tiny`: a tiny random-weight llama from shared/golden/tiny, for load and queue tests;
 - `spawn`: starts a server of one's own (queue limits, shutdown).
 
@@ -124,7 +125,8 @@ class Server:
 @pytest.fixture(scope="session")
 def qwen():
     assert QWEN.is_file(), f"{QWEN} missing: run scripts/fetch-models.sh"
-    s = Server(QWEN, "-c", str(QWEN_CTX), "-np", str(QWEN_PARALLEL), api_key=API_KEY)
+    s = Server(QWEN, "-c", str(QWEN_CTX), "-np", str(QWEN_PARALLEL), "--embeddings",
+               api_key=API_KEY)
     yield s
     assert s.stop() == 0, s.log
 

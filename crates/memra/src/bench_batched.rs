@@ -118,7 +118,7 @@ fn measure(
                                 return Ok((first.unwrap_or(end), end, usage.cached_tokens, tg));
                             }
                             Event::Error(e) => bail!("{e}"),
-                            Event::PromptScores(_) => {}
+                            Event::PromptScores(_) | Event::Embedding(_) => {}
                         }
                     }
                     bail!("the engine stopped")

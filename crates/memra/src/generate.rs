@@ -546,7 +546,7 @@ pub(crate) fn engine_generate(
                 return Ok((stats, usage));
             }
             Some(Event::Error(e)) => bail!("{e}"),
-            Some(Event::PromptScores(_)) => {}
+            Some(Event::PromptScores(_) | Event::Embedding(_)) => {}
             None => bail!("the engine has stopped"),
         }
     }

@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use clap::Args;
 
-use crate::generate::{self, DefaultPool, ModelArgs};
+use memra_engine::engine::Pooling;
+
+use crate::generate::{self, DefaultPool, Device, ModelArgs};
 
 /// Server options, named as llama-server's where it has them.
 #[derive(Args, Debug)]
@@ -44,6 +46,13 @@ pub struct ServeArgs {
     /// Default: what the chat template writes.
     #[arg(long, value_parser = ["hermes", "llama3", "json"])]
     pub tool_call_format: Option<String>,
+    /// Serve /v1/embeddings (the CPU only for now).
+    #[arg(long)]
+    pub embeddings: bool,
+    /// How embeddings pool the prompt's last hidden states: mean, cls or last (default:
+    /// what the file says, else last).
+    #[arg(long, value_parser = ["mean", "cls", "last"])]
+    pub pooling: Option<String>,
 }
 
 pub fn run(model: ModelArgs, args: ServeArgs) -> Result<()> {
@@ -52,6 +61,10 @@ pub fn run(model: ModelArgs, args: ServeArgs) -> Result<()> {
     }
     if !(args.grace.is_finite() && args.grace >= 0.0) {
         bail!("--grace must be a number of seconds");
+    }
+    if args.embeddings && model.device() == Device::Cuda {
+        // The GPU's prompt path does not return hidden states yet (docs/server.md).
+        bail!("--embeddings runs on the CPU only for now: add --device cpu");
     }
     let api_key = args
         .api_key
@@ -76,6 +89,8 @@ pub fn run(model: ModelArgs, args: ServeArgs) -> Result<()> {
             .tool_call_format
             .as_deref()
             .and_then(memra_server::tools::ToolFormat::from_name),
+        embeddings: args.embeddings,
+        pooling: args.pooling.as_deref().and_then(Pooling::parse),
     };
     let parallel = args.parallel;
     memra_server::run(

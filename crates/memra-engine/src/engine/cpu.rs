@@ -61,8 +61,9 @@ impl BatchRunner for CpuBatchRunner {
             Backend::Ranks(tp) => tp.forward_batch(batch),
         }
         .map_err(|e| e.to_string())?;
-        let nv = self.model.decoder.hp.n_vocab;
-        Ok(logits
+        let (nv, e) = (self.model.decoder.hp.n_vocab, self.model.decoder.hp.n_embd);
+        let (logits, hidden) = logits.split_at(batch.logit_rows.len() * nv);
+        let mut out: Vec<RowOut> = logits
             .chunks_exact(nv)
             .zip(picks.iter_mut())
             .map(|(row, pick)| match pick {
@@ -78,7 +79,9 @@ impl BatchRunner for CpuBatchRunner {
                 },
                 RowPick::Logits => RowOut::Logits(row.to_vec()),
             })
-            .collect())
+            .collect();
+        out.extend(hidden.chunks_exact(e).map(|h| RowOut::Hidden(h.to_vec())));
+        Ok(out)
     }
 
     fn num_blocks(&self) -> usize {

@@ -23,6 +23,11 @@ impl BatchRunner for GpuBatchRunner {
         batch: &ForwardBatch,
         picks: &mut [RowPick],
     ) -> Result<Vec<RowOut>, String> {
+        if !batch.hidden_rows.is_empty() {
+            // The GPU's prompt path norms into f16 buffers fused with the residual add;
+            // returning those rows is not written yet (docs/server.md, "Embeddings").
+            return Err("embeddings are computed on the CPU only (--device cpu)".into());
+        }
         if !self.bound {
             self.gpu.bind_to_thread().map_err(|e| e.to_string())?;
             self.bound = true;

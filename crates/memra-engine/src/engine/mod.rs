@@ -10,6 +10,7 @@
 //! the server are clients of it.
 
 mod cpu;
+mod embed;
 mod gpu;
 mod speculate;
 mod worker;
@@ -20,6 +21,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 pub use cpu::CpuBatchRunner;
+pub use embed::Pooling;
 pub use gpu::GpuBatchRunner;
 
 use crate::batch::{ForwardBatch, RowOut, RowPick};
@@ -34,7 +36,7 @@ use crate::spec::SpecConfig;
 pub trait BatchRunner: Send {
     /// Runs one step; returns, for each row of `batch.logit_rows`, what its pick asks: the
     /// next token (sampled where the logits are: on a GPU, only the id crosses to the host)
-    /// or the logits.
+    /// or the logits; then each of `batch.hidden_rows`' states ([`RowOut::Hidden`]).
     fn forward(
         &mut self,
         batch: &ForwardBatch,
@@ -62,6 +64,8 @@ pub enum EngineError {
     BadToken(u32),
     #[error("max_tokens must be at least 1")]
     NoTokens,
+    #[error("an embedding request generates nothing: no max_tokens, scoring or grammar")]
+    BadEmbedding,
     #[error("prompt scoring starts at position {from}, past the prompt of {prompt}")]
     BadScoring { from: usize, prompt: usize },
     #[error(transparent)]
@@ -102,6 +106,10 @@ pub struct GenerationParams {
     /// least this many drafts a step (`None`: the engine's bounds; a most of 0: none).
     pub draft_max: Option<usize>,
     pub draft_min: Option<usize>,
+    /// Embed the prompt instead of generating (`max_tokens` 0): the request's events are
+    /// one [`Event::Embedding`] and `Finished` (`Length`, no tokens). Only `Last` pooling
+    /// uses the prefix cache.
+    pub embed: Option<Pooling>,
 }
 
 impl Default for GenerationParams {
@@ -116,6 +124,7 @@ impl Default for GenerationParams {
             constraint: None,
             draft_max: None,
             draft_min: None,
+            embed: None,
         }
     }
 }
@@ -185,6 +194,9 @@ pub enum Event {
         usage: Usage,
         stop: Option<String>,
     },
+    /// An embedding request's pooled hidden state (`n_embd`, not normalized); sent once,
+    /// before `Finished`.
+    Embedding(Vec<f32>),
     /// The step failed (a backend error); the request is over.
     Error(String),
 }
@@ -343,8 +355,13 @@ impl Engine {
         if let Some(&bad) = r.prompt.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(EngineError::BadToken(bad));
         }
+        if p.embed.is_some()
+            && (p.max_tokens > 0 || p.score_from.is_some() || p.constraint.is_some())
+        {
+            return Err(EngineError::BadEmbedding);
+        }
         match p.score_from {
-            None if p.max_tokens == 0 => return Err(EngineError::NoTokens),
+            None if p.max_tokens == 0 && p.embed.is_none() => return Err(EngineError::NoTokens),
             Some(from) if from >= r.prompt.len() => {
                 return Err(EngineError::BadScoring {
                     from,

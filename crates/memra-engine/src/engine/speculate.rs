@@ -54,7 +54,7 @@ pub(super) fn judge(
             .into_iter()
             .map(|r| match r {
                 RowOut::Token(t) => t,
-                RowOut::Logits(_) => unreachable!("checked above"),
+                RowOut::Logits(_) | RowOut::Hidden(_) => unreachable!("checked above"),
             })
             .collect();
         let accepted = ids.iter().zip(drafts).take_while(|(t, d)| t == d).count();

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
+use super::embed::Pooled;
 use super::speculate::{draft_len, judge, lookup_drafts, SpecState};
 use super::{
     BatchRunner, Command, Event, EventSink, FinishReason, PromptScore, Request, StatsCell,
@@ -37,6 +38,8 @@ struct Live<'t> {
     /// The scores went out (a preempted sequence recomputes its prompt: not again).
     scores_sent: bool,
     spec: SpecState,
+    /// An embedding request's states so far.
+    pooled: Pooled,
 }
 
 pub(super) fn run(
@@ -78,7 +81,11 @@ pub(super) fn run(
                     };
                     request.prompt.iter().for_each(|&t| sampler.accept(t));
                     let mut seq = Sequence::new(id, request.prompt.clone());
-                    seq.use_prefix_cache = request.params.score_from.is_none();
+                    seq.use_prefix_cache = request.params.score_from.is_none()
+                        && request
+                            .params
+                            .embed
+                            .is_none_or(|p| p.may_use_prefix_cache());
                     let n_scores = request
                         .params
                         .score_from
@@ -95,6 +102,7 @@ pub(super) fn run(
                             scores: vec![PromptScore::default(); n_scores],
                             scores_sent: false,
                             spec: SpecState::default(),
+                            pooled: Pooled::default(),
                         },
                     );
                     sched.add(seq);
@@ -173,7 +181,7 @@ pub(super) fn run(
         // by the device for plain greedy sampling, else as logits for the host's verifier.
         let mut samplers: Vec<Sampler> = Vec::new();
         let mut plan: Vec<Pick> = Vec::with_capacity(batch.logit_rows.len());
-        for (s, &n_rows) in step.seqs.iter().zip(&rows) {
+        for (s, &(n_rows, _)) in step.seqs.iter().zip(&rows) {
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
             if !l.spec.draft.is_empty() {
                 let greedy = l.sampler.as_ref().is_some_and(Sampler::is_plain_greedy);
@@ -234,7 +242,7 @@ pub(super) fn run(
                 l.sampler = samplers.next();
             }
         }
-        let outputs = match result {
+        let mut outputs = match result {
             Ok(o) => o,
             Err(e) => {
                 for s in &step.seqs {
@@ -244,10 +252,39 @@ pub(super) fn run(
             }
         };
         sched.complete(&step);
+        let mut hidden = outputs
+            .split_off(batch.logit_rows.len().min(outputs.len()))
+            .into_iter();
         let mut outputs = outputs.into_iter();
-        for (s, n_rows) in step.seqs.iter().zip(rows) {
+        for (s, (n_rows, n_hidden)) in step.seqs.iter().zip(rows) {
             let seq_rows: Vec<RowOut> = outputs.by_ref().take(n_rows).collect();
             let l = live.get_mut(&s.id).expect("live sequences are scheduled");
+            if l.request.params.embed.is_some() {
+                let states: Option<Vec<Vec<f32>>> = hidden
+                    .by_ref()
+                    .take(n_hidden)
+                    .map(|r| match r {
+                        RowOut::Hidden(h) => Some(h),
+                        _ => None,
+                    })
+                    .collect();
+                let Some(states) = states.filter(|v| v.len() == n_hidden) else {
+                    fail(
+                        &mut sched,
+                        &mut live,
+                        s.id,
+                        "the backend returned no hidden states",
+                    );
+                    continue;
+                };
+                l.pooled.add(s.start, states);
+                if s.logits {
+                    // The prompt's last token is computed: the embedding is complete.
+                    (l.sink)(Event::Embedding(l.pooled.take()));
+                    finish(&mut sched, &mut live, s.id, FinishReason::Length);
+                }
+                continue;
+            }
             if !l.spec.draft.is_empty() {
                 if let Err(e) = settle(tok, l, seq_rows, &mut sched, s, draft.as_mut()) {
                     match e {
@@ -312,17 +349,25 @@ fn scored_positions(s: &Scheduled, from: usize, prompt_len: usize) -> std::ops::
     lo..hi.max(lo)
 }
 
-/// The step's batch, and how many logit rows each scheduled sequence gets.
+/// The step's batch, and how many logit rows and hidden rows each scheduled sequence gets.
 fn build_batch(
     step: &Step,
     sched: &Scheduler,
     live: &HashMap<SeqId, Live>,
     block_size: usize,
-) -> (ForwardBatch, Vec<usize>) {
+) -> (ForwardBatch, Vec<(usize, usize)>) {
     let mut batch = ForwardBatch::new(block_size);
     let mut rows = Vec::with_capacity(step.seqs.len());
     for s in &step.seqs {
         let seq = sched.get(s.id).expect("scheduled sequences run");
+        let tokens = &seq.tokens[s.start..s.start + s.n];
+        if let Some(pooling) = live[&s.id].request.params.embed {
+            let states = pooling.rows(s.start, s.n, seq.prompt_len);
+            rows.push((0, states.len()));
+            batch.push(tokens, s.start, &seq.blocks, []);
+            batch.push_hidden(states);
+            continue;
+        }
         let mut want: Vec<usize> = match live[&s.id].request.params.score_from {
             Some(from) => scored_positions(s, from, seq.prompt_len)
                 .map(|p| p - s.start)
@@ -335,8 +380,7 @@ fn build_batch(
         } else if s.logits && want.last() != Some(&(s.n - 1)) {
             want.push(s.n - 1);
         }
-        rows.push(want.len());
-        let tokens = &seq.tokens[s.start..s.start + s.n];
+        rows.push((want.len(), 0));
         batch.push(tokens, s.start, &seq.blocks, want);
         if drafting && s.n > 1 {
             batch.mark_as_decodes();
@@ -415,6 +459,7 @@ fn sample(
     let sampler = l.sampler.as_mut().expect("sampler back after the step");
     let (next, logits) = match (row, mask) {
         (RowOut::Token(id), _) => (id, None),
+        (RowOut::Hidden(_), _) => return Err("the backend returned a hidden state".into()),
         (RowOut::Logits(v), None) => (sampler.sample(&v), Some(v)),
         (RowOut::Logits(v), Some(m)) => {
             let mut masked = v.clone();

@@ -175,6 +175,7 @@ impl DraftModel {
                 let p = out.get_mut(id).expect("active");
                 let next = match row {
                     RowOut::Token(t) => t,
+                    RowOut::Hidden(_) => return Err("the draft returned a hidden state".into()),
                     RowOut::Logits(l) => {
                         let q = ds.sampler.distribution(&l);
                         let t = match &q {

@@ -79,7 +79,8 @@ impl Decoder {
 
     /// One forward pass over `batch` (any number of sequences, each attending to its own
     /// blocks of `kv`): writes the new keys and values, returns the logits of
-    /// `batch.logit_rows` (`rows x n_vocab`). Each token's result does not depend on the
+    /// `batch.logit_rows` (`rows x n_vocab`) followed by the hidden states of
+    /// `batch.hidden_rows` after the output norm (`rows x n_embd`). Each token's result does not depend on the
     /// other tokens of the batch, so a sequence gets the same logits batched or alone.
     pub fn forward_batch(
         &self,
@@ -298,26 +299,33 @@ impl LayerOps for CpuPass<'_> {
 
     fn head(&mut self) -> Result<(), ModelError> {
         let d = self.d;
-        let (e, rows) = (d.hp.n_embd, &self.batch.logit_rows);
-        if rows.is_empty() {
+        let e = d.hp.n_embd;
+        let (rows, hidden) = (&self.batch.logit_rows, &self.batch.hidden_rows);
+        if rows.is_empty() && hidden.is_empty() {
             return Ok(());
         }
-        let mut h = Vec::with_capacity(rows.len() * e);
-        for &row in rows {
+        // The logit rows' and the hidden rows' residual streams, normed together; every
+        // rank of a tensor-parallel group holds the whole stream.
+        let mut h = Vec::with_capacity((rows.len() + hidden.len()) * e);
+        for &row in rows.iter().chain(hidden) {
             h.extend_from_slice(&self.x[row as usize * e..(row as usize + 1) * e]);
         }
         ops::rms_norm(&mut h, &d.output_norm, d.hp.rms_eps);
-        let mut logits = vec![0f32; rows.len() * d.output.n_out()];
-        matmul_with(&d.output, &h, None, &mut logits, d.exact_activations);
-        self.logits = match self.comm {
-            None => logits,
-            Some(c) => gather_vocab(c, &logits, rows.len(), d.hp.n_vocab)?,
-        };
-        if let Some(cap) = d.final_logit_softcap {
-            self.logits
-                .iter_mut()
-                .for_each(|v| *v = cap * (*v / cap).tanh());
+        let states = h.split_off(rows.len() * e);
+        if !rows.is_empty() {
+            let mut logits = vec![0f32; rows.len() * d.output.n_out()];
+            matmul_with(&d.output, &h, None, &mut logits, d.exact_activations);
+            self.logits = match self.comm {
+                None => logits,
+                Some(c) => gather_vocab(c, &logits, rows.len(), d.hp.n_vocab)?,
+            };
+            if let Some(cap) = d.final_logit_softcap {
+                self.logits
+                    .iter_mut()
+                    .for_each(|v| *v = cap * (*v / cap).tanh());
+            }
         }
+        self.logits.extend_from_slice(&states);
         Ok(())
     }
 }

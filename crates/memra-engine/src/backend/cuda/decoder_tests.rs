@@ -116,7 +116,7 @@ fn gpu_decoder_matches_cpu_logits() {
                     .into_iter()
                     .map(|r| match r {
                         RowOut::Logits(v) => v,
-                        RowOut::Token(_) => panic!("logits asked"),
+                        RowOut::Token(_) | RowOut::Hidden(_) => panic!("logits asked"),
                     })
                     .collect();
                 assert!(
@@ -481,7 +481,7 @@ fn gpu_engine_batches_equal_alone() {
                             Event::Token(t) => ids.push(t.id),
                             Event::Finished { usage, .. } => preemptions += usage.preemptions,
                             Event::Error(e) => panic!("{path}: {e}"),
-                            Event::PromptScores(_) => {}
+                            Event::PromptScores(_) | Event::Embedding(_) => {}
                         }
                     }
                     if ids != want[i] {
@@ -677,7 +677,7 @@ fn gpu_engine_constrained_sequences_match_their_schema() {
                     Event::Token(t) => ids.push(t.id),
                     Event::Finished { usage, .. } => generated = usage.completion_tokens,
                     Event::Error(e) => panic!("{path}: sequence {i}: {e}"),
-                    Event::PromptScores(_) => {}
+                    Event::PromptScores(_) | Event::Embedding(_) => {}
                 }
             }
             if i % 2 == 1 {
@@ -769,7 +769,7 @@ fn gpu_speculative_greedy_equals_plain_decoding() {
                     Event::Token(t) => ids.push(t.id),
                     Event::Finished { usage, .. } => accepted += usage.accepted_tokens,
                     Event::Error(e) => panic!("{path}: {e}"),
-                    Event::PromptScores(_) => {}
+                    Event::PromptScores(_) | Event::Embedding(_) => {}
                 }
             }
             if ids != want[i] {

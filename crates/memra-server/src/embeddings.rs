@@ -1,0 +1,232 @@
+//! `POST /v1/embeddings` (served with `--embeddings`): each input becomes one engine
+//! sequence that computes its prompt and returns the pooled last hidden state, normalized
+//! (Euclidean, or as llama-server's `embd_normalize` asks), as floats or as base64 of
+//! little-endian f32 (what the official client asks for by default).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use memra_engine::engine::{GenerationParams, Request};
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use crate::error::ApiError;
+use crate::openai::{gather, submit};
+use crate::params::{prompts_in, Fields, Prompt};
+use crate::{json_body, request_id_header, AppState};
+
+/// Inputs one request may hold (OpenAI's limit).
+const MAX_INPUTS: usize = 2048;
+
+pub(crate) async fn embeddings(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let rid = st.request_id();
+    let span = tracing::info_span!("request", id = %rid);
+    let headers = request_id_header(&rid);
+    let r = handle(st, body, &rid).instrument(span).await;
+    match r {
+        Ok(v) => (headers, Json(v)).into_response(),
+        Err(e) => {
+            tracing::info!("refused: {} {}", e.status.as_u16(), e.message);
+            (headers, e).into_response()
+        }
+    }
+}
+
+/// How the vectors leave.
+#[derive(Clone, Copy, PartialEq)]
+enum Encoding {
+    Float,
+    Base64,
+}
+
+async fn handle(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    rid: &str,
+) -> Result<Value, ApiError> {
+    let start = Instant::now();
+    let ready = st.ready()?;
+    let Some(pooling) = ready.pooling else {
+        return Err(ApiError {
+            status: StatusCode::NOT_IMPLEMENTED,
+            kind: "not_supported_error",
+            ..ApiError::internal(
+                "This server does not serve embeddings: start it with --embeddings",
+            )
+        });
+    };
+    let v = json_body(body)?;
+    let f = Fields::of(&v)?;
+    let model = f
+        .string("model")?
+        .unwrap_or(&st.config.model_id)
+        .to_string();
+    f.string("user")?; // accepted, unused
+    let encoding = match f.string("encoding_format")? {
+        None | Some("float") => Encoding::Float,
+        Some("base64") => Encoding::Base64,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("'encoding_format' must be 'float' or 'base64', not {other:?}"),
+            ))
+        }
+    };
+    let n_embd = ready.engine.model().decoder.hp.n_embd;
+    if let Some(d) = f.integer("dimensions", 1, i64::MAX)? {
+        if d as usize != n_embd {
+            return Err(ApiError::invalid(
+                "dimensions",
+                format!("this model's embeddings have {n_embd} dimensions, not {d}"),
+            ));
+        }
+    }
+    // llama-server's: -1 none, 0 max-abs scaled to int16, 1 taxicab, 2 Euclidean, p > 2.
+    let norm = f.integer("embd_normalize", -1, 64)?.unwrap_or(2);
+    let tok = &ready.engine.model().tokenizer;
+    let mut choices = Vec::new();
+    for p in prompts_in(&f, "input", MAX_INPUTS)? {
+        let prompt = match p {
+            Prompt::Tokens(t) => t,
+            // BOS and EOS as the model asks (embedding models end the text with EOS).
+            Prompt::Text(s) => tok
+                .encode(&s, true, true)
+                .map_err(|e| ApiError::invalid("input", e.to_string()))?,
+        };
+        let request = Request {
+            prompt,
+            params: GenerationParams {
+                max_tokens: 0,
+                embed: Some(pooling),
+                ..GenerationParams::default()
+            },
+        };
+        ready
+            .engine
+            .validate(&request)
+            .map_err(|e| ApiError::from_engine(&e, "input"))?;
+        choices.push(request);
+    }
+    tracing::info!(
+        "{} input(s), {} tokens, {} pooling",
+        choices.len(),
+        choices.iter().map(|c| c.prompt.len()).sum::<usize>(),
+        pooling.name()
+    );
+    let (mut rx, guard) = submit(&st, ready, rid, &choices, start)?;
+    let outs = gather(choices.len(), &mut rx, guard).await?;
+    let prompt_tokens: usize = choices.iter().map(|c| c.prompt.len()).sum();
+    let data: Vec<Value> = outs
+        .into_iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let mut e = o.embedding;
+            normalize(&mut e, norm);
+            let embedding = match encoding {
+                Encoding::Float => json!(e),
+                Encoding::Base64 => json!(base64_f32(&e)),
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Ok(json!({
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }))
+}
+
+/// llama.cpp's `common_embd_normalize`: `-1` leaves `v`, `0` scales its largest magnitude
+/// to 32,760 (int16 range), `1` to a taxicab norm of 1, `2` a Euclidean norm of 1, `p` a
+/// p-norm of 1. A zero vector stays zero.
+fn normalize(v: &mut [f32], norm: i64) {
+    let sum = match norm {
+        -1 => return,
+        0 => v.iter().fold(0f64, |m, &x| m.max(f64::from(x.abs()))) / 32_760.0,
+        1 => v.iter().map(|&x| f64::from(x.abs())).sum(),
+        2 => v
+            .iter()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum::<f64>()
+            .sqrt(),
+        p => {
+            let p = p as f64;
+            v.iter()
+                .map(|&x| f64::from(x.abs()).powf(p))
+                .sum::<f64>()
+                .powf(1.0 / p)
+        }
+    };
+    let scale = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    v.iter_mut()
+        .for_each(|x| *x = (f64::from(*x) * scale) as f32);
+}
+
+/// Standard base64 (with padding) of the floats' little-endian bytes, as OpenAI sends
+/// `encoding_format: base64` (the client decodes it with `np.frombuffer(..., "float32")`).
+fn base64_f32(v: &[f32]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            out.push(if i <= c.len() {
+                ALPHABET[(n >> shift) as usize & 63] as char
+            } else {
+                '='
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_known_encodings() {
+        // Python's `base64.b64encode(struct.pack("<2f", 1.0, -2.5))` and the like: one,
+        // two and no padding characters.
+        assert_eq!(base64_f32(&[]), "");
+        assert_eq!(base64_f32(&[1.0]), "AACAPw==");
+        assert_eq!(base64_f32(&[1.0, -2.5]), "AACAPwAAIMA=");
+        assert_eq!(base64_f32(&[0.0, 0.0, 0.0]), "AAAAAAAAAAAAAAAA");
+    }
+
+    #[test]
+    fn norms_as_llama_cpp_computes_them() {
+        let mut v = vec![3.0, -4.0];
+        normalize(&mut v, 2);
+        assert_eq!(v, [0.6, -0.8]);
+        let mut v = vec![3.0, -1.0];
+        normalize(&mut v, 1);
+        assert_eq!(v, [0.75, -0.25]);
+        let mut v = vec![2.0, -1.0];
+        normalize(&mut v, 0);
+        assert_eq!(v, [32_760.0, -16_380.0]);
+        let mut v = vec![3.0, -4.0];
+        normalize(&mut v, -1);
+        assert_eq!(v, [3.0, -4.0]);
+        let mut v = vec![1.0, 1.0];
+        normalize(&mut v, 4);
+        let want = 0.5f64.powf(0.25) as f32;
+        assert!((v[0] - want).abs() < 1e-6 && (v[1] - want).abs() < 1e-6);
+        let mut z = vec![0.0, 0.0];
+        normalize(&mut z, 2);
+        assert_eq!(z, [0.0, 0.0]);
+    }
+}
