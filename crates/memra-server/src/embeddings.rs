@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use memra_engine::engine::{GenerationParams, Request};
+use memra_engine::engine::{normalize, GenerationParams, Request};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
@@ -146,32 +146,6 @@ async fn handle(
     }))
 }
 
-/// llama.cpp's `common_embd_normalize`: `-1` leaves `v`, `0` scales its largest magnitude
-/// to 32,760 (int16 range), `1` to a taxicab norm of 1, `2` a Euclidean norm of 1, `p` a
-/// p-norm of 1. A zero vector stays zero.
-fn normalize(v: &mut [f32], norm: i64) {
-    let sum = match norm {
-        -1 => return,
-        0 => v.iter().fold(0f64, |m, &x| m.max(f64::from(x.abs()))) / 32_760.0,
-        1 => v.iter().map(|&x| f64::from(x.abs())).sum(),
-        2 => v
-            .iter()
-            .map(|&x| f64::from(x) * f64::from(x))
-            .sum::<f64>()
-            .sqrt(),
-        p => {
-            let p = p as f64;
-            v.iter()
-                .map(|&x| f64::from(x.abs()).powf(p))
-                .sum::<f64>()
-                .powf(1.0 / p)
-        }
-    };
-    let scale = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-    v.iter_mut()
-        .for_each(|x| *x = (f64::from(*x) * scale) as f32);
-}
-
 /// Standard base64 (with padding) of the floats' little-endian bytes, as OpenAI sends
 /// `encoding_format: base64` (the client decodes it with `np.frombuffer(..., "float32")`).
 fn base64_f32(v: &[f32]) -> String {
@@ -205,28 +179,5 @@ mod tests {
         assert_eq!(base64_f32(&[1.0]), "AACAPw==");
         assert_eq!(base64_f32(&[1.0, -2.5]), "AACAPwAAIMA=");
         assert_eq!(base64_f32(&[0.0, 0.0, 0.0]), "AAAAAAAAAAAAAAAA");
-    }
-
-    #[test]
-    fn norms_as_llama_cpp_computes_them() {
-        let mut v = vec![3.0, -4.0];
-        normalize(&mut v, 2);
-        assert_eq!(v, [0.6, -0.8]);
-        let mut v = vec![3.0, -1.0];
-        normalize(&mut v, 1);
-        assert_eq!(v, [0.75, -0.25]);
-        let mut v = vec![2.0, -1.0];
-        normalize(&mut v, 0);
-        assert_eq!(v, [32_760.0, -16_380.0]);
-        let mut v = vec![3.0, -4.0];
-        normalize(&mut v, -1);
-        assert_eq!(v, [3.0, -4.0]);
-        let mut v = vec![1.0, 1.0];
-        normalize(&mut v, 4);
-        let want = 0.5f64.powf(0.25) as f32;
-        assert!((v[0] - want).abs() < 1e-6 && (v[1] - want).abs() < 1e-6);
-        let mut z = vec![0.0, 0.0];
-        normalize(&mut z, 2);
-        assert_eq!(z, [0.0, 0.0]);
     }
 }

@@ -239,18 +239,7 @@ fn make_ready(
     let pooling = match embeddings {
         None => None,
         Some(asked) => {
-            let m = &model.file.metadata;
-            if m.get_bool(&format!("{}.attention.causal", model.arch))? == Some(false) {
-                anyhow::bail!(
-                    "the model's attention is not causal ({}.attention.causal false), \
-                     which memra does not compute: its embeddings would be wrong",
-                    model.arch
-                );
-            }
-            let p = match asked {
-                Some(p) => p,
-                None => Pooling::from_metadata(m, &model.arch)?.unwrap_or(Pooling::Last),
-            };
+            let p = Pooling::for_model(&model, asked).map_err(anyhow::Error::msg)?;
             tracing::info!("embeddings with {} pooling", p.name());
             Some(p)
         }

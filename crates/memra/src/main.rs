@@ -4,6 +4,7 @@ mod bench;
 mod bench_batched;
 mod bench_serve;
 mod bench_spec;
+mod embed;
 mod generate;
 mod inspect;
 mod probe;
@@ -68,6 +69,27 @@ enum Command {
         /// Tokens per reply at most.
         #[arg(short = 'n', long, default_value_t = 1024)]
         n_predict: usize,
+    },
+    /// Embeddings of texts (the last hidden states, pooled and normalized as the server's
+    /// /v1/embeddings computes them): one line of numbers per text; the CPU only for now.
+    Embed {
+        #[command(flatten)]
+        model: generate::ModelArgs,
+        /// A text to embed (repeat for several).
+        #[arg(short, long)]
+        prompt: Vec<String>,
+        /// Texts to embed, one a line (`-` reads standard input).
+        #[arg(short, long)]
+        file: Option<PathBuf>,
+        /// mean, cls or last (default: what the file says, else last).
+        #[arg(long, value_parser = ["mean", "cls", "last"])]
+        pooling: Option<String>,
+        /// -1 none, 0 to int16's range, 1 taxicab, 2 Euclidean, p > 2 a p-norm (llama.cpp's).
+        #[arg(long, default_value_t = 2, allow_hyphen_values = true)]
+        embd_normalize: i64,
+        /// Print OpenAI's JSON (`{"object": "list", "data": [...]}`) instead.
+        #[arg(long)]
+        json: bool,
     },
     /// Perplexity of a text file, by llama.cpp's method.
     Perplexity {
@@ -344,6 +366,25 @@ fn main() -> ExitCode {
             file,
             chunks,
         } => generate::run_perplexity(&model, &file, chunks),
+        Command::Embed {
+            model,
+            prompt,
+            file,
+            pooling,
+            embd_normalize,
+            json,
+        } => embed::run(
+            &model,
+            &embed::EmbedArgs {
+                prompts: &prompt,
+                file: file.as_deref(),
+                pooling: pooling
+                    .as_deref()
+                    .and_then(memra_engine::engine::Pooling::parse),
+                normalize: embd_normalize,
+                json,
+            },
+        ),
         Command::Inspect { model, all } => inspect::run(&model, all),
         Command::Synth {
             shape,

@@ -943,3 +943,102 @@ fn bench_spec_prompts_compares_speculation_with_plain_decoding() {
     assert!(!both.status.success());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn embed_prints_normalized_states_and_refuses_bad_input() {
+    let dir = std::env::temp_dir().join(format!("memra-cli-embed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = tiny_model("tiny-qwen2.gguf");
+    let m = model.to_str().unwrap();
+    let texts = ["a b c", "hello there, world"];
+    let parse = |o: &Output| -> Vec<Vec<f64>> {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        stdout(o)
+            .lines()
+            .map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect())
+            .collect()
+    };
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["embed", "-m", m, "-t", "1"].map(String::from).to_vec();
+        for t in texts {
+            a.extend(["-p".to_string(), t.to_string()]);
+        }
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |a: Vec<String>| memra(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let raw = parse(&run(args(&["--embd-normalize", "-1"])));
+    let unit = run(args(&[]));
+    assert!(String::from_utf8_lossy(&unit.stderr).contains("cosine similarity"));
+    let unit = parse(&unit);
+    assert_eq!((raw.len(), unit.len()), (2, 2));
+    for (r, u) in raw.iter().zip(&unit) {
+        assert!(r.len() > 8 && r.len() == u.len());
+        let n = r.iter().map(|x| x * x).sum::<f64>().sqrt();
+        assert!((n - 1.0).abs() > 1e-3, "the raw state is not a unit vector");
+        for (x, y) in r.iter().zip(u) {
+            assert!((x / n - y).abs() < 1e-6, "{x} / {n} against {y}");
+        }
+    }
+    assert!(raw[0] != raw[1], "two texts, two states");
+    // JSON, and the texts from a file, give the same vectors.
+    let json: Value = serde_json::from_str(&stdout(&run(args(&["--json"])))).unwrap();
+    let data = json["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    for (d, u) in data.iter().zip(&unit) {
+        let v: Vec<f64> = d["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert!(v.iter().zip(u).all(|(a, b)| (a - b).abs() < 1e-6));
+    }
+    let file = dir.join("texts.txt");
+    std::fs::write(&file, format!("{}\n\n{}\n", texts[0], texts[1])).unwrap();
+    let from_file = parse(&memra(&[
+        "embed",
+        "-m",
+        m,
+        "-t",
+        "1",
+        "-f",
+        file.to_str().unwrap(),
+    ]));
+    assert_eq!(from_file, unit);
+    // Refusals: nothing to embed, a bad norm, a text over the context, a GPU, a model
+    // whose attention is not causal.
+    let bidirectional = tiny_with(
+        &dir,
+        "llama.attention.causal",
+        memra_gguf::Value::Bool(false),
+    );
+    let long = "word ".repeat(100);
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["embed", "-m", m], "nothing to embed"),
+        (
+            vec!["embed", "-m", m, "-p", "x", "--embd-normalize", "99"],
+            "--embd-normalize",
+        ),
+        (
+            vec!["embed", "-m", m, "-p", &long, "-c", "32"],
+            "the context holds 32",
+        ),
+        (
+            vec!["embed", "-m", m, "-p", "x", "--device", "cuda"],
+            "--device cpu",
+        ),
+        (
+            vec!["embed", "-m", bidirectional.to_str().unwrap(), "-p", "x"],
+            "attention is not causal",
+        ),
+    ];
+    for (args, msg) in cases {
+        let out = memra(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(msg), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -3,6 +3,8 @@
 
 use memra_gguf::{Metadata, MetadataError};
 
+use crate::models::Model;
+
 /// How an embedding request pools its prompt's hidden states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pooling {
@@ -45,6 +47,27 @@ impl Pooling {
         })
     }
 
+    /// How a model's embeddings pool: as `asked`, else as its file says, else by the last
+    /// token (vLLM's pooling of decoder models). A model whose file says its attention is
+    /// not causal (`{arch}.attention.causal` false: gte-Qwen2, the BERT family) is refused:
+    /// memra's forward is causal, so its states would be wrong.
+    pub fn for_model(model: &Model, asked: Option<Pooling>) -> Result<Pooling, String> {
+        let m = &model.file.metadata;
+        let key = format!("{}.attention.causal", model.arch);
+        if m.get_bool(&key).map_err(|e| e.to_string())? == Some(false) {
+            return Err(format!(
+                "the model's attention is not causal ({key} false), which memra does not \
+                 compute: its embeddings would be wrong"
+            ));
+        }
+        match asked {
+            Some(p) => Ok(p),
+            None => Ok(Pooling::from_metadata(m, &model.arch)
+                .map_err(|e| e.to_string())?
+                .unwrap_or(Pooling::Last)),
+        }
+    }
+
     /// Whether the prefix cache may hold the prompt: only the last token's state is
     /// needed, and that token is always computed.
     pub(super) fn may_use_prefix_cache(self) -> bool {
@@ -61,6 +84,32 @@ impl Pooling {
             Pooling::Cls | Pooling::Last => Vec::new(),
         }
     }
+}
+
+/// llama.cpp's `common_embd_normalize`: `-1` leaves `v`, `0` scales its largest magnitude
+/// to 32,760 (int16 range), `1` to a taxicab norm of 1, `2` a Euclidean norm of 1, `p` a
+/// p-norm of 1. A zero vector stays zero.
+pub fn normalize(v: &mut [f32], norm: i64) {
+    let sum = match norm {
+        -1 => return,
+        0 => v.iter().fold(0f64, |m, &x| m.max(f64::from(x.abs()))) / 32_760.0,
+        1 => v.iter().map(|&x| f64::from(x.abs())).sum(),
+        2 => v
+            .iter()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum::<f64>()
+            .sqrt(),
+        p => {
+            let p = p as f64;
+            v.iter()
+                .map(|&x| f64::from(x.abs()).powf(p))
+                .sum::<f64>()
+                .powf(1.0 / p)
+        }
+    };
+    let scale = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    v.iter_mut()
+        .for_each(|x| *x = (f64::from(*x) * scale) as f32);
 }
 
 /// A sequence's pooled states so far.
@@ -128,6 +177,29 @@ mod tests {
         p.add(0, [vec![9.0, 9.0]]);
         p.add(0, [vec![1.0, -1.0]]); // recomputed after a preemption
         assert_eq!(p.take(), [1.0, -1.0]);
+    }
+
+    #[test]
+    fn norms_as_llama_cpp_computes_them() {
+        let mut v = vec![3.0, -4.0];
+        normalize(&mut v, 2);
+        assert_eq!(v, [0.6, -0.8]);
+        let mut v = vec![3.0, -1.0];
+        normalize(&mut v, 1);
+        assert_eq!(v, [0.75, -0.25]);
+        let mut v = vec![2.0, -1.0];
+        normalize(&mut v, 0);
+        assert_eq!(v, [32_760.0, -16_380.0]);
+        let mut v = vec![3.0, -4.0];
+        normalize(&mut v, -1);
+        assert_eq!(v, [3.0, -4.0]);
+        let mut v = vec![1.0, 1.0];
+        normalize(&mut v, 4);
+        let want = 0.5f64.powf(0.25) as f32;
+        assert!((v[0] - want).abs() < 1e-6 && (v[1] - want).abs() < 1e-6);
+        let mut z = vec![0.0, 0.0];
+        normalize(&mut z, 2);
+        assert_eq!(z, [0.0, 0.0]);
     }
 
     #[test]

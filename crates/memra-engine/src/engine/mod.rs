@@ -21,7 +21,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 pub use cpu::CpuBatchRunner;
-pub use embed::Pooling;
+pub use embed::{normalize, Pooling};
 pub use gpu::GpuBatchRunner;
 
 use crate::batch::{ForwardBatch, RowOut, RowPick};
