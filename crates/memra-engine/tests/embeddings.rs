@@ -6,12 +6,15 @@
 use std::sync::Arc;
 
 use memra_engine::backend::cpu::matmul::matmul_with;
+use memra_engine::batch::{ForwardBatch, RowOut, RowPick};
 use memra_engine::engine::{
-    CpuBatchRunner, Engine, EngineConfig, EngineError, Event, GenerationParams, Pooling, Request,
+    BatchRunner, CpuBatchRunner, Engine, EngineConfig, EngineError, Event, GenerationParams,
+    Pooling, Request, Usage,
 };
 use memra_engine::models::weights::WeightRows;
 use memra_engine::models::{LogitRows, Model};
 use memra_engine::scheduler::SchedulerConfig;
+use memra_engine::spec::SpecConfig;
 
 mod common;
 use common::model_path;
@@ -19,6 +22,15 @@ use common::model_path;
 const MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
 
 fn engine(model: &Arc<Model>, budget: usize, kv_tokens: usize) -> Engine {
+    engine_with(model, budget, kv_tokens, None)
+}
+
+fn engine_with(
+    model: &Arc<Model>,
+    budget: usize,
+    kv_tokens: usize,
+    spec: Option<SpecConfig>,
+) -> Engine {
     let runner = CpuBatchRunner::new(model.clone(), kv_tokens, 16);
     Engine::start(
         model.clone(),
@@ -30,7 +42,7 @@ fn engine(model: &Arc<Model>, budget: usize, kv_tokens: usize) -> Engine {
                 prompt_chunk: budget,
             },
             n_ctx: 256,
-            spec: None,
+            spec,
         },
     )
 }
@@ -48,6 +60,14 @@ fn embed_request(prompt: &[u32], pooling: Pooling) -> Request {
 
 /// Each request's embedding, all submitted at once.
 fn embed_all(e: &Engine, reqs: &[Request]) -> Vec<Vec<f32>> {
+    embed_all_usage(e, reqs)
+        .into_iter()
+        .map(|(v, _)| v)
+        .collect()
+}
+
+/// Each request's embedding and usage, all submitted at once.
+fn embed_all_usage(e: &Engine, reqs: &[Request]) -> Vec<(Vec<f32>, Usage)> {
     let handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
     handles
         .into_iter()
@@ -58,13 +78,13 @@ fn embed_all(e: &Engine, reqs: &[Request]) -> Vec<Vec<f32>> {
                     Event::Embedding(v) => got = Some(v),
                     Event::Finished { usage, .. } => {
                         assert_eq!(usage.completion_tokens, 0);
-                        break;
+                        return (got.expect("an embedding before the finish"), usage);
                     }
                     Event::Error(e) => panic!("{e}"),
                     other => panic!("an embedding request sent {other:?}"),
                 }
             }
-            got.expect("an embedding before the finish")
+            panic!("no finish")
         })
         .collect()
 }
@@ -243,4 +263,140 @@ fn tensor_parallel_ranks_give_the_same_embeddings() {
     for (i, (g, w)) in embed_all(&e, &reqs).iter().zip(&want).enumerate() {
         assert_close(g, w, 1e-3, &format!("prompt {i} over 2 ranks"));
     }
+}
+
+#[test]
+fn last_pooling_from_the_prefix_cache_gives_the_same_state() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let p = &prompts(&model)[2];
+    let e = engine(&model, 2048, 4096);
+    let (first, u1) = embed_all_usage(&e, &[embed_request(p, Pooling::Last)]).remove(0);
+    let (again, u2) = embed_all_usage(&e, &[embed_request(p, Pooling::Last)]).remove(0);
+    assert_eq!(
+        (u1.cached_tokens, u2.cached_tokens > 0),
+        (0, true),
+        "{u2:?}"
+    );
+    assert_close(&again, &first, 1e-5, "from the cache");
+    // Mean pooling computes every state, whatever the cache holds.
+    let (_, u3) = embed_all_usage(&e, &[embed_request(p, Pooling::Mean)]).remove(0);
+    assert_eq!(u3.cached_tokens, 0);
+}
+
+#[test]
+fn a_small_pool_preempts_embeddings_and_loses_nothing() {
+    let model = Arc::new(Model::load(&model_path("tiny-qwen2")).unwrap());
+    let ps = prompts(&model);
+    let reqs: Vec<Request> = ps
+        .iter()
+        .flat_map(|p| {
+            [
+                embed_request(p, Pooling::Mean),
+                embed_request(p, Pooling::Cls),
+            ]
+        })
+        .collect();
+    let want = embed_all(&engine(&model, 2048, 4096), &reqs);
+    // A pool of 96 positions for 8 requests of up to ~30 tokens, with a long generation
+    // beside them, in chunks of 5: sequences are preempted and recompute their prompts.
+    let e = engine(&model, 5, 96);
+    let long = e
+        .submit(Request {
+            prompt: ps[0].clone(),
+            params: GenerationParams {
+                max_tokens: 80,
+                ignore_eos: true,
+                ..GenerationParams::default()
+            },
+        })
+        .unwrap();
+    let got = embed_all_usage(&e, &reqs);
+    let preempted: usize = got.iter().map(|(_, u)| u.preemptions).sum::<usize>()
+        + long
+            .filter_map(|ev| match ev {
+                Event::Finished { usage, .. } => Some(usage.preemptions),
+                _ => None,
+            })
+            .sum::<usize>();
+    for (i, ((g, _), w)) in got.iter().zip(&want).enumerate() {
+        assert_close(g, w, 1e-4, &format!("request {i}"));
+    }
+    eprintln!("{preempted} preemptions");
+    assert!(
+        preempted > 0,
+        "the pool never ran out: the test checks nothing"
+    );
+}
+
+#[test]
+fn speculation_leaves_embeddings_alone() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let ps = prompts(&model);
+    let reqs: Vec<Request> = ps.iter().map(|p| embed_request(p, Pooling::Mean)).collect();
+    let want = embed_all(&engine(&model, 2048, 4096), &reqs);
+    let spec = SpecConfig {
+        ngram: 3,
+        draft_max: 6,
+        draft_min: 1,
+        max_batch: 8,
+    };
+    let got = embed_all_usage(&engine_with(&model, 7, 4096, Some(spec)), &reqs);
+    for ((g, u), w) in got.iter().zip(&want) {
+        assert_eq!(u.draft_tokens, 0);
+        assert_close(g, w, 1e-4, "with speculation on");
+    }
+}
+
+/// A runner that computes no hidden states (as the GPU's, for now).
+struct NoHidden(CpuBatchRunner);
+
+impl BatchRunner for NoHidden {
+    fn forward(&mut self, b: &ForwardBatch, p: &mut [RowPick]) -> Result<Vec<RowOut>, String> {
+        self.0.forward(b, p)
+    }
+    fn num_blocks(&self) -> usize {
+        self.0.num_blocks()
+    }
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn computes_hidden(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+fn a_backend_without_hidden_states_refuses_embeddings_at_submission() {
+    let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let runner = NoHidden(CpuBatchRunner::new(model.clone(), 1024, 16));
+    let e = Engine::start(
+        model.clone(),
+        Box::new(runner),
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running: 4,
+                token_budget: 256,
+                prompt_chunk: 256,
+            },
+            n_ctx: 256,
+            spec: None,
+        },
+    );
+    let p = &prompts(&model)[1];
+    assert_eq!(
+        e.submit(embed_request(p, Pooling::Last)).err(),
+        Some(EngineError::NoEmbeddings)
+    );
+    // Generation on it goes on.
+    let mut r = embed_request(p, Pooling::Last);
+    (r.params.embed, r.params.max_tokens) = (None, 3);
+    let tokens = e
+        .submit(r)
+        .unwrap()
+        .filter(|ev| matches!(ev, Event::Token(_)))
+        .count();
+    assert!(tokens > 0);
 }

@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use memra_engine::engine::{normalize, GenerationParams, Request};
+use memra_engine::engine::{normalize, GenerationParams, Pooling, Request};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
@@ -92,38 +92,27 @@ async fn handle(
     }
     // llama-server's: -1 none, 0 max-abs scaled to int16, 1 taxicab, 2 Euclidean, p > 2.
     let norm = f.integer("embd_normalize", -1, 64)?.unwrap_or(2);
-    let tok = &ready.engine.model().tokenizer;
-    let mut choices = Vec::new();
-    for p in prompts_in(&f, "input", MAX_INPUTS)? {
-        let prompt = match p {
-            Prompt::Tokens(t) => t,
-            // BOS and EOS as the model asks (embedding models end the text with EOS).
-            Prompt::Text(s) => tok
-                .encode(&s, true, true)
-                .map_err(|e| ApiError::invalid("input", e.to_string()))?,
-        };
-        let request = Request {
-            prompt,
-            params: GenerationParams {
-                max_tokens: 0,
-                embed: Some(pooling),
-                ..GenerationParams::default()
-            },
-        };
-        ready
-            .engine
-            .validate(&request)
-            .map_err(|e| ApiError::from_engine(&e, "input"))?;
-        choices.push(request);
-    }
+    let inputs = prompts_in(&f, "input", MAX_INPUTS)?;
+    // Up to MAX_INPUTS texts to tokenize: off the async threads.
+    let s = st.clone();
+    let choices = tokio::task::spawn_blocking(move || requests(&s, inputs, pooling))
+        .await
+        .map_err(|_| ApiError::internal("internal error (a bug) preparing the request"))??;
     tracing::info!(
         "{} input(s), {} tokens, {} pooling",
         choices.len(),
         choices.iter().map(|c| c.prompt.len()).sum::<usize>(),
         pooling.name()
     );
-    let (mut rx, guard) = submit(&st, ready, rid, &choices, start)?;
-    let outs = gather(choices.len(), &mut rx, guard).await?;
+    // In windows of the sequences the engine runs at once, each after the one before: a
+    // batch of thousands neither takes the whole queue (which would refuse every other
+    // request meanwhile) nor is refused itself while others wait.
+    let window = ready.engine.info().max_running.max(1);
+    let mut outs = Vec::with_capacity(choices.len());
+    for part in choices.chunks(window) {
+        let (mut rx, guard) = submit(&st, ready, rid, part, start)?;
+        outs.extend(gather(part.len(), &mut rx, guard).await?);
+    }
     let prompt_tokens: usize = choices.iter().map(|c| c.prompt.len()).sum();
     let data: Vec<Value> = outs
         .into_iter()
@@ -144,6 +133,41 @@ async fn handle(
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }))
+}
+
+/// The inputs as checked engine requests: texts tokenized with BOS and EOS as the model
+/// asks (embedding models end the text with EOS).
+fn requests(
+    st: &AppState,
+    inputs: Vec<Prompt>,
+    pooling: Pooling,
+) -> Result<Vec<Request>, ApiError> {
+    let ready = st.ready()?;
+    let tok = &ready.engine.model().tokenizer;
+    inputs
+        .into_iter()
+        .map(|p| {
+            let prompt = match p {
+                Prompt::Tokens(t) => t,
+                Prompt::Text(s) => tok
+                    .encode(&s, true, true)
+                    .map_err(|e| ApiError::invalid("input", e.to_string()))?,
+            };
+            let request = Request {
+                prompt,
+                params: GenerationParams {
+                    max_tokens: 0,
+                    embed: Some(pooling),
+                    ..GenerationParams::default()
+                },
+            };
+            ready
+                .engine
+                .validate(&request)
+                .map_err(|e| ApiError::from_engine(&e, "input"))?;
+            Ok(request)
+        })
+        .collect()
 }
 
 /// Standard base64 (with padding) of the floats' little-endian bytes, as OpenAI sends

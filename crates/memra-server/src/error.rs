@@ -105,6 +105,11 @@ impl ApiError {
             EngineError::Sampler(_)
             | EngineError::BadScoring { .. }
             | EngineError::BadEmbedding => ApiError::bad_request(e.to_string()),
+            EngineError::NoEmbeddings => ApiError {
+                status: StatusCode::NOT_IMPLEMENTED,
+                kind: "not_supported_error",
+                ..ApiError::internal(e.to_string())
+            },
             EngineError::Stopped => ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 kind: "unavailable_error",

@@ -48,7 +48,8 @@ impl Pooling {
     }
 
     /// How a model's embeddings pool: as `asked`, else as its file says, else by the last
-    /// token (vLLM's pooling of decoder models). A model whose file says its attention is
+    /// token (vLLM's pooling of decoder models); a reranker's file (rank pooling) must be
+    /// asked for one. A model whose file says its attention is
     /// not causal (`{arch}.attention.causal` false: gte-Qwen2, the BERT family) is refused:
     /// memra's forward is causal, so its states would be wrong.
     pub fn for_model(model: &Model, asked: Option<Pooling>) -> Result<Pooling, String> {
@@ -60,12 +61,20 @@ impl Pooling {
                  compute: its embeddings would be wrong"
             ));
         }
-        match asked {
-            Some(p) => Ok(p),
-            None => Ok(Pooling::from_metadata(m, &model.arch)
-                .map_err(|e| e.to_string())?
-                .unwrap_or(Pooling::Last)),
+        if let Some(p) = asked {
+            return Ok(p);
         }
+        let key = format!("{}.pooling_type", model.arch);
+        if m.get_u32(&key).map_err(|e| e.to_string())? == Some(4) {
+            // A reranker's score comes from a classification head memra does not load.
+            return Err(format!(
+                "the model pools for ranking ({key} 4: a reranker), which memra does not \
+                 compute; --pooling mean, cls or last chooses a pooling of its states"
+            ));
+        }
+        Ok(Pooling::from_metadata(m, &model.arch)
+            .map_err(|e| e.to_string())?
+            .unwrap_or(Pooling::Last))
     }
 
     /// Whether the prefix cache may hold the prompt: only the last token's state is

@@ -45,6 +45,10 @@ impl BatchRunner for GpuBatchRunner {
         self.gpu.block_size()
     }
 
+    fn computes_hidden(&self) -> bool {
+        false
+    }
+
     fn describe(&self) -> String {
         format!(
             "KV pool: {} tokens in {} blocks of {} (GPU); {}",

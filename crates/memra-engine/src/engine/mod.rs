@@ -46,6 +46,10 @@ pub trait BatchRunner: Send {
     fn block_size(&self) -> usize;
     /// A line for the user: where the pool is and what it holds.
     fn describe(&self) -> String;
+    /// Whether it returns hidden states ([`ForwardBatch::hidden_rows`]): embeddings.
+    fn computes_hidden(&self) -> bool {
+        true
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -66,6 +70,8 @@ pub enum EngineError {
     NoTokens,
     #[error("an embedding request generates nothing: no max_tokens, scoring or grammar")]
     BadEmbedding,
+    #[error("this engine's backend does not compute embeddings (the CPU does: --device cpu)")]
+    NoEmbeddings,
     #[error("prompt scoring starts at position {from}, past the prompt of {prompt}")]
     BadScoring { from: usize, prompt: usize },
     #[error(transparent)]
@@ -253,6 +259,8 @@ pub struct EngineInfo {
     pub max_running: usize,
     pub token_budget: usize,
     pub pool: String,
+    /// The runner returns hidden states (embedding requests are accepted).
+    pub embeddings: bool,
 }
 
 impl EngineInfo {
@@ -294,6 +302,7 @@ impl Engine {
             max_running: config.scheduler.max_running,
             token_budget: config.scheduler.token_budget,
             pool: runner.describe(),
+            embeddings: runner.computes_hidden(),
         };
         let (tx, rx) = mpsc::channel();
         let m = model.clone();
@@ -359,6 +368,9 @@ impl Engine {
             && (p.max_tokens > 0 || p.score_from.is_some() || p.constraint.is_some())
         {
             return Err(EngineError::BadEmbedding);
+        }
+        if p.embed.is_some() && !self.info.embeddings {
+            return Err(EngineError::NoEmbeddings);
         }
         match p.score_from {
             None if p.max_tokens == 0 && p.embed.is_none() => return Err(EngineError::NoTokens),

@@ -567,7 +567,11 @@ fn add_drafts(
     let mut want: Vec<(SeqId, usize, usize)> = Vec::new();
     for (&id, l) in live.iter() {
         let p = &l.request.params;
-        if p.constraint.is_some() || p.logprobs.is_some() || p.score_from.is_some() {
+        if p.constraint.is_some()
+            || p.logprobs.is_some()
+            || p.score_from.is_some()
+            || p.embed.is_some()
+        {
             continue;
         }
         let Some(seq) = sched.get(id) else { continue };
