@@ -32,9 +32,19 @@ fn engine_with(
     spec: Option<SpecConfig>,
 ) -> Engine {
     let runner = CpuBatchRunner::new(model.clone(), kv_tokens, 16);
+    start(model, Box::new(runner), budget, spec)
+}
+
+/// An engine over `runner`: 8 sequences at once, steps of `budget` tokens.
+fn start(
+    model: &Arc<Model>,
+    runner: Box<dyn BatchRunner>,
+    budget: usize,
+    spec: Option<SpecConfig>,
+) -> Engine {
     Engine::start(
         model.clone(),
-        Box::new(runner),
+        runner,
         EngineConfig {
             scheduler: SchedulerConfig {
                 max_running: 8,
@@ -247,19 +257,7 @@ fn tensor_parallel_ranks_give_the_same_embeddings() {
     let reqs: Vec<Request> = ps.iter().map(|p| embed_request(p, Pooling::Mean)).collect();
     let want = embed_all(&engine(&model, 2048, 4096), &reqs);
     let runner = CpuBatchRunner::tensor_parallel(model.clone(), 2, 4096, 16).unwrap();
-    let e = Engine::start(
-        model.clone(),
-        Box::new(runner),
-        EngineConfig {
-            scheduler: SchedulerConfig {
-                max_running: 8,
-                token_budget: 7,
-                prompt_chunk: 7,
-            },
-            n_ctx: 256,
-            spec: None,
-        },
-    );
+    let e = start(&model, Box::new(runner), 7, None);
     for (i, (g, w)) in embed_all(&e, &reqs).iter().zip(&want).enumerate() {
         assert_close(g, w, 1e-3, &format!("prompt {i} over 2 ranks"));
     }
@@ -372,19 +370,7 @@ impl BatchRunner for NoHidden {
 fn a_backend_without_hidden_states_refuses_embeddings_at_submission() {
     let model = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
     let runner = NoHidden(CpuBatchRunner::new(model.clone(), 1024, 16));
-    let e = Engine::start(
-        model.clone(),
-        Box::new(runner),
-        EngineConfig {
-            scheduler: SchedulerConfig {
-                max_running: 4,
-                token_budget: 256,
-                prompt_chunk: 256,
-            },
-            n_ctx: 256,
-            spec: None,
-        },
-    );
+    let e = start(&model, Box::new(runner), 256, None);
     let p = &prompts(&model)[1];
     assert_eq!(
         e.submit(embed_request(p, Pooling::Last)).err(),

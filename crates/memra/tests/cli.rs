@@ -460,6 +460,17 @@ fn template_renders_conversations_and_refuses_bad_ones() {
 }
 
 /// A copy of a tiny model with one metadata key changed.
+/// Each command exits 1 with its message on stderr and nothing on stdout.
+fn assert_refused(cases: &[(Vec<&str>, &str)]) {
+    for (args, msg) in cases {
+        let out = memra(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(msg), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
 fn tiny_with(dir: &Path, key: &str, value: memra_gguf::Value) -> std::path::PathBuf {
     let f = memra_gguf::GgufFile::open(tiny_model("tiny-llama.gguf")).unwrap();
     let mut b = memra_gguf::GgufBuilder::new();
@@ -598,13 +609,7 @@ fn run_refuses_bad_requests_clearly() {
             "cannot read",
         ),
     ];
-    for (args, msg) in cases {
-        let out = memra(&args);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        assert!(err.contains(msg), "{args:?}: {err}");
-        assert!(out.stdout.is_empty(), "{args:?}");
-    }
+    assert_refused(&cases);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -1033,12 +1038,6 @@ fn embed_prints_normalized_states_and_refuses_bad_input() {
             "attention is not causal",
         ),
     ];
-    for (args, msg) in cases {
-        let out = memra(&args);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        assert!(err.contains(msg), "{args:?}: {err}");
-        assert!(out.stdout.is_empty(), "{args:?}");
-    }
+    assert_refused(&cases);
     std::fs::remove_dir_all(&dir).unwrap();
 }
