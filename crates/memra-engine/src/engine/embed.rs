@@ -49,9 +49,9 @@ impl Pooling {
 
     /// How a model's embeddings pool: as `asked`, else as its file says, else by the last
     /// token (vLLM's pooling of decoder models); a reranker's file (rank pooling) must be
-    /// asked for one. A model whose file says its attention is
-    /// not causal (`{arch}.attention.causal` false: gte-Qwen2, the BERT family) is refused:
-    /// memra's forward is causal, so its states would be wrong.
+    /// asked for one. A model whose file says its attention is not causal
+    /// (`{arch}.attention.causal` false: gte-Qwen2, the BERT family) is refused: memra's
+    /// forward is causal, so its states would be wrong.
     pub fn for_model(model: &Model, asked: Option<Pooling>) -> Result<Pooling, String> {
         let m = &model.file.metadata;
         let key = format!("{}.attention.causal", model.arch);
