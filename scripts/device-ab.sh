@@ -19,10 +19,11 @@ ab() { # label, sequence counts, then VAR=value settings
   env "$@" .device/memra bench --batched -m "$f8" -npp 128 -ntg 32 -npl "$npl" --device cuda \
     2>>"$out/ab.log" | grep -E '^\|'
 }
-ab "choices as they are" 12,16,32,64,256
+ab "choices as they are" 1,9,12,16,32,64,256
+ab "without the dense tile copies" 9,12,16,32,64 MEMRA_DENSE_TILES=0
+ab "the dense tile copies up to 16 rows only" 24,32,64 MEMRA_DENSE_TILE_ROWS=16
 ab "decodes of GEMM steps through the tensor-core prompt attention" 32,64,256 \
   MEMRA_BATCH_DECODE_ATTENTION=0
-ab "the GEMM path from 9 rows" 12,16 MEMRA_GEMM_DECODE_ROWS=9
 serve() { # label, then memra serve's extra flags
   local label=$1
   shift

@@ -11,11 +11,13 @@
 // into the mantissa of 1024.0), one subtraction of 1024 and one fma per pair: the weight
 // is rounded to f16 once, as the cuBLAS path's f16 copies round it.
 //
-// A block of 4 warps takes 64 rows (16 a warp) and BN = 8 * NT tokens; the activations of
-// the block's tokens are staged in shared memory by cp.async, 128 columns a stage, two
-// stages in flight, each 16-byte piece of a row at a position xor'ed by the row so that
-// ldmatrix meets no bank twice. The next stage's weights are loaded into registers while
-// this stage's are multiplied. Matrices with few row tiles split the row over blocks
+// A block of 4 warps takes 64 rows (16 a warp) and BN = 8 * NT tokens. Each stage of 128
+// columns is copied into shared memory by cp.async, QG_STAGES in flight: every warp's own
+// levels and scales (contiguous in the layout) and the block's tokens' activations, each
+// 16-byte piece of a row at a position xor'ed by the row so that ldmatrix meets no bank
+// twice. (With the weights one stage ahead in registers, 16 tokens read them at 1.3-1.8
+// TB/s: too few bytes in flight.) A dense product's first weight stages are fetched before
+// the programmatic wait. Matrices with few row tiles split the row over blocks
 // (gridDim.z parts, chosen by the matrix's shape only); each part writes its sums to a work
 // buffer and `qgemm_reduce` adds them in part order, so a token's result never depends on
 // the other tokens of the batch.
@@ -29,6 +31,9 @@
 #define QG_THREADS 128
 #define QG_ROWS 64  // rows per block, 16 a warp
 #define QG_KC 128   // columns per stage
+// Stages in flight (weights and activations, cp.async): enough bytes on their way to keep
+// the memory busy at 16-32 tokens; fewer at 64, whose activations take more shared memory.
+#define QG_STAGES(NT) ((NT) <= 4 ? 4 : 3)
 
 // (1024 + u) as half2 -> s * u - m: the subtraction is exact, the fma rounds once.
 __device__ __forceinline__ uint32_t qg_weight(uint32_t biased, __half2 s, __half2 negm) {
@@ -75,30 +80,54 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
     constexpr int BN = 8 * NT;
     constexpr int WPC = BITS / 4;
     constexpr int SC = GPC / 2;  // uint2 of scales per row and chunk
+    constexpr int S = QG_STAGES(NT);
+    constexpr int XS = BN * 16;             // uint4 of activations a stage
+    constexpr int WL = 2 * WPC * WARP_SIZE;  // uint4 of one warp's levels a stage
+    constexpr int WS = 16 * SC;              // uint4 of one warp's scales a stage
     extern __shared__ uint4 qg_smem[];
-    PDL_WAIT();
-    int slot0, count, expert = 0;
-    if (tiles != nullptr) {
-        if ((int)blockIdx.y >= *tiles_n) return;
-        const int* t = tiles + 3 * blockIdx.y;
-        expert = t[0];
-        slot0 = t[1];
-        count = t[2];
-    } else {
-        slot0 = blockIdx.y * BN;
-        count = min(BN, n - slot0);
-    }
+    uint4* xsm = qg_smem;               // [S][XS]
+    uint4* wsm = qg_smem + S * XS;      // [S][4 warps][WL + WS]
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, tq = lane % 4;
     const int rt = blockIdx.x * 4 + warp;
     const int n_chunks = k / 64, n_stages = k / QG_KC;
     const int parts = gridDim.z, z = blockIdx.z;
     const int st0 = z * n_stages / parts, st1 = (z + 1) * n_stages / parts;
+    const int nst = st1 - st0;
 
-    wq += expert * w_stride + (size_t)rt * n_chunks * WPC * WARP_SIZE;
-    sc += expert * (s_stride / 2) + (size_t)rt * n_chunks * 16 * SC;
+    // This warp's levels and scales of a stage (2 chunks, contiguous in the layout): copied
+    // by the warp itself, so only the activations need the block.
+    const uint4* wsrc = wq + (size_t)rt * n_chunks * WPC * WARP_SIZE;
+    const uint4* ssrc = reinterpret_cast<const uint4*>(sc + (size_t)rt * n_chunks * 16 * SC);
+    auto stage_w = [&](int i) {
+        const int st = st0 + i;
+        uint4* d = wsm + ((i % S) * 4 + warp) * (WL + WS);
+#pragma unroll
+        for (int p = 0; p < WL / WARP_SIZE; ++p)
+            tc_cp16(d + p * WARP_SIZE + lane, wsrc + (size_t)st * WL + p * WARP_SIZE + lane, true);
+        if (lane < WS) tc_cp16(d + WL + lane, ssrc + (size_t)st * WS + lane, true);
+    };
 
-    // Staging: BN rows of 16 pieces a stage, NT pieces a thread.
+    int slot0, count;
+    if (tiles == nullptr) {
+        slot0 = blockIdx.y * BN;
+        count = min(BN, n - slot0);
+        // The weights depend on no earlier kernel: their first stages are fetched before the
+        // programmatic wait, while the previous kernel finishes.
+        for (int i = 0; i < S - 1 && i < nst; ++i) stage_w(i);
+        PDL_WAIT();
+    } else {
+        PDL_WAIT();
+        if ((int)blockIdx.y >= *tiles_n) return;
+        const int* t = tiles + 3 * blockIdx.y;
+        wsrc += t[0] * w_stride;
+        ssrc += t[0] * (s_stride / 4);
+        slot0 = t[1];
+        count = t[2];
+        for (int i = 0; i < S - 1 && i < nst; ++i) stage_w(i);
+    }
+
+    // Activations: BN rows of 16 pieces a stage, NT pieces a thread.
     const int pc = threadIdx.x % 16;
     const __half* src[NT];
     bool ok[NT];
@@ -110,50 +139,49 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
         const int row = idx != nullptr ? idx[s] : s;
         src[i] = x + (size_t)row * k + pc * 8;
     }
-    auto stage = [&](int st, int buf) {
+    auto stage_x = [&](int i) {
+        const int st = st0 + i;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            const int r = threadIdx.x / 16 + 8 * i;
-            uint4* dst = qg_smem + (buf * BN + r) * 16 + (pc ^ (r & 7));
-            tc_cp16(dst, src[i] + st * QG_KC, ok[i]);
-        }
-        tc_commit();
-    };
-    // This lane's levels and scales of a stage (2 chunks).
-    auto load = [&](int st, uint4 (&w)[2 * WPC], uint2 (&s)[2][2 * SC]) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const int ch = 2 * st + c;
-#pragma unroll
-            for (int h = 0; h < WPC; ++h) w[c * WPC + h] = __ldg(wq + ((size_t)ch * WPC + h) * WARP_SIZE + lane);
-#pragma unroll
-            for (int h = 0; h < SC; ++h) {
-                s[0][c * SC + h] = __ldg(sc + ((size_t)ch * 16 + g) * SC + h);
-                s[1][c * SC + h] = __ldg(sc + ((size_t)ch * 16 + g + 8) * SC + h);
-            }
+        for (int j = 0; j < NT; ++j) {
+            const int r = threadIdx.x / 16 + 8 * j;
+            uint4* dst = xsm + ((i % S) * BN + r) * 16 + (pc ^ (r & 7));
+            tc_cp16(dst, src[j] + st * QG_KC, ok[j]);
         }
     };
 
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    uint4 w_cur[2 * WPC], w_next[2 * WPC];
-    uint2 s_cur[2][2 * SC], s_next[2][2 * SC];
-    if (st0 < st1) {
-        load(st0, w_cur, s_cur);
-        stage(st0, 0);
+    // S - 1 stages in flight ahead of the one multiplied; a group committed for every stage,
+    // empty past the end, so that the wait below counts alike on every iteration.
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+        if (i < nst) stage_x(i);
+        tc_commit();
     }
-    for (int st = st0; st < st1; ++st) {
-        const int buf = (st - st0) & 1;
-        if (st + 1 < st1) {
-            stage(st + 1, buf ^ 1);
-            load(st + 1, w_next, s_next);
-            tc_wait<1>();
-        } else {
-            tc_wait<0>();
+    for (int i = 0; i < nst; ++i) {
+        tc_wait<S - 2>();
+        __syncthreads();  // stage i has landed for all; stage i - 1's buffers are free
+        if (i + S - 1 < nst) {
+            stage_w(i + S - 1);
+            stage_x(i + S - 1);
         }
-        __syncthreads();
-        const uint4* xs = qg_smem + buf * BN * 16;
+        tc_commit();
+        const uint4* xs = xsm + (i % S) * XS;
+        const uint4* ws = wsm + ((i % S) * 4 + warp) * (WL + WS);
+        uint4 w_cur[2 * WPC];
+#pragma unroll
+        for (int p = 0; p < 2 * WPC; ++p) w_cur[p] = ws[p * WARP_SIZE + lane];
+        const uint2* ss = reinterpret_cast<const uint2*>(ws + WL);
+        uint2 s_cur[2][2 * SC];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int h = 0; h < SC; ++h) {
+                s_cur[0][c * SC + h] = ss[(c * 16 + g) * SC + h];
+                s_cur[1][c * SC + h] = ss[(c * 16 + g + 8) * SC + h];
+            }
+        }
         const uint32_t* words = reinterpret_cast<const uint32_t*>(w_cur);
         const uint32_t* sg_words = reinterpret_cast<const uint32_t*>(s_cur[0]);
         const uint32_t* s8_words = reinterpret_cast<const uint32_t*>(s_cur[1]);
@@ -169,7 +197,7 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int s = step + h;       // k16 step in the stage
+                const int s = step + h;           // k16 step in the stage
                 const int c = s / 4, j4 = s % 4;  // chunk, step in the chunk
                 const int gi = c * GPC + (GPC == 2 ? j4 / 2 : j4);  // scale group in the stage
                 const __half2 sa = u2h(sg_words[gi]), sb = u2h(s8_words[gi]);
@@ -180,14 +208,6 @@ __device__ __forceinline__ void qgemm(const uint4* __restrict__ wq, const uint2*
 #pragma unroll
                 for (int j = 0; j < NT; ++j) tc_mma(acc[j], a, b[j][2 * h], b[j][2 * h + 1]);
             }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 2 * WPC; ++i) w_cur[i] = w_next[i];
-#pragma unroll
-        for (int i = 0; i < 2 * SC; ++i) {
-            s_cur[0][i] = s_next[0][i];
-            s_cur[1][i] = s_next[1][i];
         }
     }
     // C fragment: rows g and g + 8 of the warp's tile, tokens 2tq and 2tq + 1 of each n-tile.

@@ -389,6 +389,8 @@ pub struct BatchBuffers {
     pub row_scale: CudaSlice<f32>,
     /// One weight matrix dequantized to f16.
     pub w: CudaSlice<f16>,
+    /// The split sums of the dense tile products (`qgemm::work_len`).
+    pub tile_work: CudaSlice<f32>,
     pub gemm: Gemm,
     /// MoE layers: the FFN input quantized for the expert kernels, and routing.
     pub moe_acts: Option<DeviceActs>,
@@ -402,13 +404,14 @@ pub struct BatchBuffers {
 }
 
 impl BatchBuffers {
-    /// `w_max`: the largest dequantized chunk of a weight matrix (f16 elements).
+    /// `w_max`: the largest dequantized chunk of a weight matrix (f16 elements);
+    /// `tile_work`: the most split sums of a dense tile product (f32 elements).
     pub fn new(
         dev: &CudaDevice,
         layers: &[GpuLayer],
         w: &Widths,
         max_blocks: usize,
-        w_max: usize,
+        (w_max, tile_work): (usize, usize),
     ) -> Result<BatchBuffers, CudaError> {
         let b = MAX_BATCH;
         let has_experts = layers.iter().any(|l| l.ffn.experts().is_some());
@@ -431,6 +434,7 @@ impl BatchBuffers {
             u: s.alloc_zeros((b * w.ffn).max(1))?,
             row_scale: s.alloc_zeros(ops::gated_scales_len(b, w.ffn))?,
             w: s.alloc_zeros(w_max.max(1))?,
+            tile_work: s.alloc_zeros(tile_work.max(1))?,
             gemm: Gemm::new(dev)?,
             moe_acts: if has_experts {
                 Some(DeviceActs::new(
@@ -459,6 +463,7 @@ impl BatchBuffers {
             &self.u,
             &self.part_o,
             &self.part_ml,
+            &self.tile_work,
         ];
         f32s.iter().map(|b| bytes_of(b)).sum::<usize>()
             + bytes_of(&self.xh)

@@ -30,7 +30,7 @@ pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS, MAX_MATVEC_ROWS};
 use super::decode::DecodePass;
 use super::graph::{DecodeGraph, StepGraph};
 use super::ops;
-use super::prompt::{alloc_batch, Logits, PromptPass, RowsOn};
+use super::prompt::{alloc_batch, Logits, PromptPass, RowsOn, DENSE_TILE_ROWS};
 use super::sampling::{
     argmax, argmax_rows, mask_rows_on_device as ops_mask_rows, DevicePick, MAX_CANDIDATES,
 };
@@ -70,6 +70,18 @@ pub const GEMM_DECODE_ROWS_MMQ: usize = MAX_DECODE_ROWS + 1;
 /// the seventh group of MAX_DECODE_ROWS on, by the measured costs (a group about 6.2 ms,
 /// the GEMM path dequantizing every matrix about 19 ms plus 0.19 ms a sequence).
 pub const GEMM_DECODE_ROWS_MMQ_DEQUANT: usize = 6 * MAX_DECODE_ROWS + 1;
+
+/// As [`GEMM_DECODE_ROWS_MMQ`] when the decoder keeps tile copies of the dense matrices
+/// ([`DENSE_TILES_SHARE`]): measured on the H200 (synthetic llama3-8b Q4_K_M, 2026-12-04,
+/// `gpu_qgemm_speed`), a layer's products through the tiles took about 103 us at 16 rows
+/// against the int8 kernels' 130, and a tile product costs nearly the same at 9 rows as
+/// at 16, so the tiles take every step past one int8 group of 8.
+pub const GEMM_DECODE_ROWS_TILES: usize = MAX_MATVEC_ROWS + 1;
+
+/// The share of free memory (after the weights, their f16 copies and the asked KV cache)
+/// the dense matrices' tile copies may take: an 8B's 5.5 GiB. `MEMRA_DENSE_TILES=0` goes
+/// without them.
+pub const DENSE_TILES_SHARE: f64 = 0.25;
 
 /// Decode steps of up to this many rows replay with programmatic edges between their
 /// kernels (each launched as its predecessor's blocks finish); the tensor-core kernels of
@@ -154,6 +166,9 @@ pub struct GpuDecoder {
     /// GEMM_DECODE_ROWS_F16 with f16 copies, GEMM_DECODE_ROWS without;
     /// `MEMRA_GEMM_DECODE_ROWS` overrides it, to measure both sides).
     gemm_decode_rows: usize,
+    /// Batches of up to this many rows multiply through the dense tile copies (0: none
+    /// kept; DENSE_TILE_ROWS, fewer by `MEMRA_DENSE_TILE_ROWS`).
+    tile_rows: usize,
     /// Sequences one decode step takes: MAX_DECODE_ROWS where every matrix has tensor-core
     /// kernels, else MAX_MATVEC_ROWS (`MEMRA_DECODE_MMQ=0` forces the latter, to measure).
     decode_rows: usize,
@@ -254,6 +269,21 @@ impl GpuDecoder {
             }
             w.keep_f16(&dev)?;
         }
+        let want_dense = std::env::var("MEMRA_DENSE_TILES").map_or(true, |v| v != "0");
+        let mut tile_rows = 0;
+        if want_dense && w.dense_tile_bytes() > 0 {
+            let (free, _) = dev.ctx.mem_get_info()?;
+            let left = free.saturating_sub(asked) as f64;
+            if w.dense_tile_bytes() as f64 <= DENSE_TILES_SHARE * left {
+                w.keep_dense_tiles(&dev, model)?;
+                // Up to 64 rows the tiles beat the f16 copies and the int8 kernels: on the
+                // H100 (2026-12-06, docs/cuda.md) S_TG 3,993 / 5,117 / 7,226 at 24 / 32 / 64
+                // sequences through them against 3,008 / 3,911 / 6,874 without.
+                tile_rows = env_usize("MEMRA_DENSE_TILE_ROWS")
+                    .unwrap_or(DENSE_TILE_ROWS)
+                    .min(DENSE_TILE_ROWS);
+            }
+        }
         let want_tiles = std::env::var("MEMRA_EXPERT_TILES").map_or(true, |v| v != "0");
         if want_tiles && w.expert_tile_bytes() > 0 {
             let (free, _) = dev.ctx.mem_get_info()?;
@@ -308,10 +338,9 @@ impl GpuDecoder {
         } else {
             MAX_MATVEC_ROWS
         };
-        let gemm_decode_rows = std::env::var("MEMRA_GEMM_DECODE_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(match (mmq, keep_f16) {
+        let gemm_decode_rows =
+            env_usize("MEMRA_GEMM_DECODE_ROWS").unwrap_or(match (mmq, keep_f16) {
+                _ if tile_rows >= MAX_DECODE_ROWS => GEMM_DECODE_ROWS_TILES,
                 (true, true) => GEMM_DECODE_ROWS_MMQ,
                 (true, false) => GEMM_DECODE_ROWS_MMQ_DEQUANT,
                 (false, true) => GEMM_DECODE_ROWS_F16,
@@ -339,6 +368,7 @@ impl GpuDecoder {
             batch_seen: HashSet::new(),
             batch_graphs_work: true,
             gemm_decode_rows,
+            tile_rows,
             decode_rows,
             batch_decode_attention: std::env::var("MEMRA_BATCH_DECODE_ATTENTION")
                 .map_or(true, |v| v != "0"),
@@ -397,7 +427,7 @@ impl GpuDecoder {
         };
         let f16 = match self.w.tile_bytes {
             0 => f16,
-            b => format!("{f16} (experts' tile copies {:.0} MiB)", mib(b)),
+            b => format!("{f16} (tile copies {:.0} MiB)", mib(b)),
         };
         format!(
             "gpu memory: {:.0} MiB held: weights {:.0} MiB{f16}, KV cache {:.0} MiB (f16, {} \
@@ -1033,6 +1063,13 @@ impl GpuDecoder {
             decode_split,
             longest,
             rows: b.logit_rows.iter().map(|&r| r as usize).collect(),
+            // Decode steps only: a prompt's rows multiply through the f16 weights whatever
+            // their count, so a prompt alone and the same prompt batched get the same logits.
+            tile_rows: if decodes == b.n_seqs() {
+                self.tile_rows
+            } else {
+                0
+            },
             pool_slots: self.num_blocks * BLOCK_SIZE,
             block_size: BLOCK_SIZE,
             embd_scale: self.embd_scale,
@@ -1045,6 +1082,11 @@ impl GpuDecoder {
             grown: 0,
         }
     }
+}
+
+/// A variable's value as a count (unset or not a number: None).
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 #[cfg(test)]

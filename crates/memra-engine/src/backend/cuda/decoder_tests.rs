@@ -513,7 +513,8 @@ fn gpu_engine_batches_equal_alone() {
 /// Decode steps replay graphs captured per row count (and, through the GEMMs, split
 /// count): greedy steps of 20 sequences through the GEMMs (then 18, then 20 again, and
 /// past a split change), and of 12 (then 10) through the mat-vec kernels, give exactly the
-/// ids (and the GEMM steps the logits) that the same steps give launched eagerly.
+/// ids (and the GEMM steps the logits) that the same steps give launched eagerly; so do
+/// steps of 12 (then 10) through the GEMM path's tile copies.
 #[test]
 #[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
 fn gpu_decode_graphs_equal_eager_steps() {
@@ -580,8 +581,10 @@ fn gpu_decode_graphs_equal_eager_steps() {
             };
             (ids, logits, gpu.batch_graphs.len() + gpu.graphs.len())
         };
-        // Through the GEMMs from 17 rows on; through the mat-vec kernels always.
-        for (rows, gemm_rows, want_graphs) in [(most, 17, 3), (12, usize::MAX, 2)] {
+        // Through the GEMMs from 17 rows on (the f16 copies where the decoder keeps
+        // them); through the GEMMs from 9 rows (the tile copies where it keeps them);
+        // through the mat-vec kernels always.
+        for (rows, gemm_rows, want_graphs) in [(most, 17, 3), (12, 9, 2), (12, usize::MAX, 2)] {
             let (eager, eager_logits, none) = run(false, rows, gemm_rows);
             let (graphed, graph_logits, captured) = run(true, rows, gemm_rows);
             eprintln!("{path}: {rows} rows: {captured} step graphs captured");

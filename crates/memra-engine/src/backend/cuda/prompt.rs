@@ -19,11 +19,16 @@ use super::decode::{moe_ffn, output_logits, qk_norms, qkv_biases};
 use super::experts;
 use super::gemm::Gemm;
 use super::ops;
+use super::qgemm;
 use super::sampling::argmax_rows;
 use super::weights::{GpuFfn, GpuLinear, GpuWeights};
 use super::{CudaDevice, CudaError};
 use crate::models::forward::LayerOps;
 use crate::models::layers::Hyper;
+
+/// Most rows a dense product through tile copies takes (the work buffer is sized for
+/// it); the decoder's chooser sets how many do (`PromptPass::tile_rows`).
+pub(super) const DENSE_TILE_ROWS: usize = 64;
 
 /// Where the logits of a step's rows are.
 pub(super) enum Logits {
@@ -66,6 +71,9 @@ pub(super) struct PromptPass<'a> {
     pub longest: usize,
     /// Batch rows whose logits the pass returns.
     pub rows: Vec<usize>,
+    /// Batches of up to this many rows multiply through the tile copies where there are
+    /// some (`DENSE_TILE_ROWS` at most: the work buffer's size).
+    pub tile_rows: usize,
     pub pool_slots: usize,
     pub block_size: usize,
     pub embd_scale: f32,
@@ -112,7 +120,13 @@ impl PromptPass<'_> {
             Out::U => &mut bb.u,
             Out::Router => &mut bb.moe.router,
         };
-        linear(self.dev, &bb.gemm, &mut bb.w, w, &xh, y, n)
+        let mm = MatMul {
+            gemm: &bb.gemm,
+            scratch: &mut bb.w,
+            tile_work: &mut bb.tile_work,
+            tile_rows: self.tile_rows,
+        };
+        linear(self.dev, mm, w, &xh, y, n)
     }
 }
 
@@ -148,7 +162,8 @@ impl LayerOps for PromptPass<'_> {
     fn attention(&mut self, li: usize) -> Result<(), CudaError> {
         let (dev, n, l) = (self.dev, self.n, &self.w.layers[li]);
         self.add_norm(&l.attn_norm)?;
-        if let Some(h) = &l.qkv16 {
+        let tiled = n <= self.tile_rows && [&l.wq, &l.wk, &l.wv].iter().all(|w| w.tiles.is_some());
+        if let Some(h) = l.qkv16.as_ref().filter(|_| !tiled) {
             // One GEMM for q, k and v, its rows split after.
             let bb = &mut *self.bb;
             let (nq, nk, nv) = (l.wq.n_out, l.wk.n_out, l.wv.n_out);
@@ -342,7 +357,13 @@ impl LayerOps for PromptPass<'_> {
         }
         let logits = bb.logits.as_mut().expect("allocated above");
         let xh = bb.xh_rows.slice(..r * e);
-        linear(dev, &bb.gemm, &mut bb.w, out, &xh, logits, r)?;
+        let mm = MatMul {
+            gemm: &bb.gemm,
+            scratch: &mut bb.w,
+            tile_work: &mut bb.tile_work,
+            tile_rows: self.tile_rows,
+        };
+        linear(dev, mm, out, &xh, logits, r)?;
         if self.host_logits {
             let mut host = dev.stream.clone_dtoh(&logits.slice(..r * nv))?;
             if let Some(cap) = self.softcap {
@@ -392,23 +413,45 @@ pub(super) fn alloc_batch(
         .map(|w| w.n_in * w.n_out.min(gemm_chunk_rows(GEMM_SCRATCH, w.n_in)))
         .max()
         .unwrap_or(0);
-    BatchBuffers::new(dev, &w.layers, widths, max_blocks, w_max)
+    let tile_work = matrices()
+        .filter_map(|w| w.tiles.as_deref())
+        .map(|t| qgemm::work_len(t, DENSE_TILE_ROWS))
+        .max()
+        .unwrap_or(0);
+    BatchBuffers::new(dev, &w.layers, widths, max_blocks, (w_max, tile_work))
 }
 
-/// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T` through f16 weights: F16 weights as they
-/// are, the f16 copy where the decoder keeps one, else the matrix dequantized into the
-/// scratch buffer first, in chunks of rows that fit it.
+/// What [`linear`] multiplies with besides the weights (borrowed from the batch buffers).
+struct MatMul<'a> {
+    gemm: &'a Gemm,
+    scratch: &'a mut CudaSlice<f16>,
+    tile_work: &'a mut CudaSlice<f32>,
+    tile_rows: usize,
+}
+
+/// `y (n x w.n_out) = x (n x w.n_in, f16) . w^T`: through the tile copy for up to
+/// `tile_rows` rows where the decoder keeps one, else through f16 weights: F16 weights as
+/// they are, the f16 copy where the decoder keeps one, else the matrix dequantized into
+/// the scratch buffer first, in chunks of rows that fit it.
 fn linear(
     dev: &CudaDevice,
-    gemm: &Gemm,
-    scratch: &mut CudaSlice<f16>,
+    mm: MatMul,
     w: &GpuLinear,
     x: &CudaView<f16>,
     y: &mut CudaSlice<f32>,
     n: usize,
 ) -> Result<(), CudaError> {
+    let MatMul {
+        gemm,
+        scratch,
+        tile_work,
+        tile_rows,
+    } = mm;
     let rb = w.row_bytes();
     let (m, k) = (w.n_out, w.n_in);
+    if let Some(t) = w.tiles.as_deref().filter(|_| n <= tile_rows) {
+        return qgemm::qgemm(dev, t, x, y, None, tile_work, n);
+    }
     if w.in_qkv {
         // No scratch was sized for it: its rows are in the layer's fused copy.
         return Err(CudaError::Invalid(

@@ -10,7 +10,7 @@
 //! type's scales are per 16). It costs about 0.63 bytes a weight at 4 bits and 1.13-1.25 at
 //! 8, besides the quantized copy the mat-vec kernels read.
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 use half::f16;
 use rayon::prelude::*;
 
@@ -24,12 +24,10 @@ pub(super) const QG_ROWS: usize = 64;
 pub(super) const QG_KC: usize = 128;
 const QG_THREADS: u32 = 128;
 /// Fewest blocks a dense product aims at before it splits rows over blocks (two a
-/// multiprocessor of the H200's 132), and the most parts it splits a row into. The dense
-/// products are the kernels' check against the CPU for now (the tests); the batched-decode
-/// chooser (issue 11) is where they go next.
-#[cfg(test)]
+/// multiprocessor of the H200's 132), and the most parts it splits a row into. Dense
+/// products take the layers of decode steps of a few dozen rows (`GpuWeights::
+/// keep_dense_tiles`); the tests check them against the CPU.
 pub(super) const QG_SPLIT_BLOCKS: usize = 264;
-#[cfg(test)]
 pub(super) const QG_MAX_SPLIT: usize = 8;
 
 /// A matrix (or a projection's experts, one after the other) in the tile layout, on the host.
@@ -221,7 +219,6 @@ pub(super) struct TileMatrix {
     pub n_in: usize,
     pub n_out: usize,
     pub rows_pad: usize,
-    #[cfg_attr(not(test), allow(dead_code))]
     pub n_expert: usize,
 }
 
@@ -244,7 +241,6 @@ impl TileMatrix {
     }
 
     /// Parts a dense product splits each row into: by the matrix's shape only.
-    #[cfg(test)]
     pub(super) fn split(&self) -> usize {
         let blocks = self.rows_pad / QG_ROWS;
         QG_SPLIT_BLOCKS
@@ -287,7 +283,6 @@ pub(super) fn n_tiles(tokens: usize) -> usize {
 }
 
 /// Work-buffer floats a dense product of `n` tokens needs (split sums).
-#[cfg(test)]
 pub(super) fn work_len(t: &TileMatrix, n: usize) -> usize {
     match t.split() {
         1 => 0,
@@ -295,13 +290,42 @@ pub(super) fn work_len(t: &TileMatrix, n: usize) -> usize {
     }
 }
 
-fn shared_bytes(nt: usize) -> u32 {
-    (2 * 8 * nt * QG_KC * 2) as u32
+/// Stages in flight (`QG_STAGES` of the kernel).
+fn stages(nt: usize) -> usize {
+    if nt <= 4 {
+        4
+    } else {
+        3
+    }
+}
+
+/// Shared memory of a launch: per stage the block's activations (8 x nt rows of QG_KC
+/// halves) and each warp's levels and scales.
+fn shared_bytes(t: &TileMatrix, nt: usize) -> u32 {
+    let (wpc, sc) = (t.bits as usize / 4, 64 / t.group / 2);
+    let per_stage = 8 * nt * QG_KC * 2 + 4 * (2 * wpc * 32 + 16 * sc) * 16;
+    (stages(nt) * per_stage) as u32
+}
+
+/// The kernel for `t` at `nt` n-tiles, allowed the shared memory it takes.
+fn kernel_fn(
+    dev: &CudaDevice,
+    t: &TileMatrix,
+    nt: usize,
+) -> Result<(CudaFunction, u32), CudaError> {
+    let f = dev.function("quant_gemm", t.kernel(nt))?;
+    let smem = shared_bytes(t, nt);
+    if smem > 48 * 1024 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+    }
+    Ok((f, smem))
 }
 
 /// `y (n x t.n_out, f32) = x (n x t.n_in, f16) . t^T (+ bias)`; `work` takes the split
 /// sums ([`work_len`]).
-#[cfg(test)]
 pub(super) fn qgemm(
     dev: &CudaDevice,
     t: &TileMatrix,
@@ -324,11 +348,11 @@ pub(super) fn qgemm(
     let nt = n_tiles(n);
     let parts = t.split();
     let tiles_y = n.div_ceil(8 * nt);
-    let f = dev.function("quant_gemm", t.kernel(nt))?;
+    let (f, smem) = kernel_fn(dev, t, nt)?;
     let cfg = LaunchConfig {
         grid_dim: ((t.rows_pad / QG_ROWS) as u32, tiles_y as u32, parts as u32),
         block_dim: (QG_THREADS, 1, 1),
-        shared_mem_bytes: shared_bytes(nt),
+        shared_mem_bytes: smem,
     };
     let null = 0u64;
     let (n_i, k_i, m_i, zero) = (n as i32, k as i32, m as i32, 0i64);
@@ -418,11 +442,11 @@ pub(super) fn qgemm_grouped(
             && matches!(g.nt, 2 | 4 | 8),
         "qgemm_grouped: shapes",
     )?;
-    let f = dev.function("quant_gemm", t.kernel(g.nt))?;
+    let (f, smem) = kernel_fn(dev, t, g.nt)?;
     let cfg = LaunchConfig {
         grid_dim: ((t.rows_pad / QG_ROWS) as u32, g.max_tiles as u32, 1),
         block_dim: (QG_THREADS, 1, 1),
-        shared_mem_bytes: shared_bytes(g.nt),
+        shared_mem_bytes: smem,
     };
     let null = 0u64;
     let idx_ptr = idx.map_or(0, |i| i.device_ptr(&dev.stream).0);

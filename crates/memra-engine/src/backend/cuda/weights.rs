@@ -25,6 +25,9 @@ pub(super) struct GpuLinear {
     pub(super) f16: Option<CudaSlice<f16>>,
     /// Its f16 copy is rows of its layer's `qkv16` instead (q, k or v).
     pub(super) in_qkv: bool,
+    /// The matrix in the tile layout, for the products of decode steps of a few dozen
+    /// rows ([`GpuWeights::keep_dense_tiles`]).
+    pub(super) tiles: Option<Box<TileMatrix>>,
 }
 
 impl GpuLinear {
@@ -224,6 +227,7 @@ impl GpuWeights {
                 n_out: l.n_out(),
                 f16: None,
                 in_qkv: false,
+                tiles: None,
             })
         };
         let mut layers = Vec::with_capacity(model.layers.len());
@@ -388,15 +392,7 @@ impl GpuWeights {
         let experts = self.layers.iter().filter_map(|l| l.ffn.experts());
         experts
             .flat_map(|x| [&x.gate, &x.up, &x.down])
-            .map(|e| {
-                use memra_gguf::GgmlType as G;
-                let bits = match e.ty {
-                    G::Q4_0 | G::Q4_1 | G::Q4K | G::Q3K | G::Q2K => 4,
-                    _ => 8,
-                };
-                let weights = e.n_expert * e.n_out.next_multiple_of(64) * e.n_in;
-                weights * bits / 8 + weights / 32 * 4
-            })
+            .map(|e| tile_bytes(e.ty, e.n_expert, e.n_out, e.n_in))
             .sum()
     }
 
@@ -424,6 +420,80 @@ impl GpuWeights {
         }
         Ok(())
     }
+}
+
+impl GpuWeights {
+    /// Bytes the dense matrices' tile copies would take (as [`Self::expert_tile_bytes`]):
+    /// every layer's projections and the output head.
+    pub(super) fn dense_tile_bytes(&self) -> usize {
+        let dense = |w: &GpuLinear| match w.ty {
+            memra_gguf::GgmlType::F16 | memra_gguf::GgmlType::F32 => 0,
+            ty => tile_bytes(ty, 1, w.n_out, w.n_in),
+        };
+        let layers = self.layers.iter().map(|l| {
+            let ffn = match &l.ffn {
+                GpuFfn::Dense { gate, up, down } => dense(gate) + dense(up) + dense(down),
+                GpuFfn::Experts(_) => 0,
+            };
+            ffn + [&l.wq, &l.wk, &l.wv, &l.wo]
+                .map(dense)
+                .iter()
+                .sum::<usize>()
+        });
+        layers.sum::<usize>() + dense(&self.output)
+    }
+
+    /// Copies every layer's dense projections and the output head into the tile layout
+    /// (`qgemm.rs`) from the file's blocks, for the decode steps of a few dozen rows: read
+    /// once for all rows at 0.6-1.2 bytes a weight, where the int8 kernels take 16 rows a
+    /// pass and the f16 copies read 2 bytes. A matrix the layout cannot take keeps none.
+    pub(super) fn keep_dense_tiles(
+        &mut self,
+        dev: &CudaDevice,
+        model: &Decoder,
+    ) -> Result<(), CudaError> {
+        let mut keep = |g: &mut GpuLinear, l: &Linear| -> Result<(), CudaError> {
+            if let Some(h) = repack(g.ty, &l.packed(), g.n_in, g.n_out, 1) {
+                let t = TileMatrix::upload(dev, &h)?;
+                self.tile_bytes += t.bytes();
+                g.tiles = Some(Box::new(t));
+            }
+            Ok(())
+        };
+        for (g, m) in self.layers.iter_mut().zip(&model.layers) {
+            for (gw, mw) in [(&mut g.wq, &m.wq), (&mut g.wk, &m.wk), (&mut g.wv, &m.wv)] {
+                keep(gw, mw)?;
+            }
+            keep(&mut g.wo, &m.wo)?;
+            if let (
+                GpuFfn::Dense { gate, up, down },
+                Ffn::Dense {
+                    gate: mg,
+                    up: mu,
+                    down: md,
+                },
+            ) = (&mut g.ffn, &m.ffn)
+            {
+                keep(gate, mg)?;
+                keep(up, mu)?;
+                keep(down, md)?;
+            }
+        }
+        keep(&mut self.output, &model.output)
+    }
+}
+
+/// Bytes of `n_expert` matrices of `n_out` x `n_in` weights of `ty` in the tile layout: 4
+/// bits a level for the types whose levels span 16 values, else 8; f16 scale pairs per 32
+/// (per 16 for some files: an estimate).
+fn tile_bytes(ty: memra_gguf::GgmlType, n_expert: usize, n_out: usize, n_in: usize) -> usize {
+    use memra_gguf::GgmlType as G;
+    let bits = match ty {
+        G::Q4_0 | G::Q4_1 | G::Q4K | G::Q3K | G::Q2K => 4,
+        _ => 8,
+    };
+    let weights = n_expert * n_out.next_multiple_of(64) * n_in;
+    weights * bits / 8 + weights / 32 * 4
 }
 
 /// A projection's experts' blocks, one after the other (slice copies: a byte-by-byte
