@@ -585,7 +585,7 @@ fn gpu_decode_graphs_equal_eager_steps() {
             };
             (ids, logits, gpu.batch_graphs.len() + gpu.graphs.len())
         };
-        // Through the GEMMs from 17 rows on on the f16 copies (where the decoder keeps
+        // Through the GEMMs from 17 rows, on the f16 copies (where the decoder keeps
         // them); through the GEMMs from 9 rows (the tile copies where it keeps them);
         // through the mat-vec kernels always.
         let cases = [
