@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One lease: synth llama3-8b (cores 0-7) while the gpu_ tests run, sanitizers on the
 # changed kernels, then bench --batched for the base build and the candidates.
-# Before: scripts/build-device.sh for 2785726 (memra -> memra-base), with the patch without
-# its quant_gemm.cu hunk (memra), and with all of it (memra-r, engine-tests -> engine-tests-r);
-# put them in .device/ as NAME.xz (xz -k), with tiny/ and GPL-3; run bash this-script.
+# Before: three release builds, 2785726 (its memra as memra-base), the patch without its
+# quant_gemm.cu hunk (memra), and all of it (memra-r, and its engine tests as
+# engine-tests-r). Copy each binary out before the next build, and build 2785726 in its own
+# CARGO_TARGET_DIR (a worktree sharing main's target dir gets main's binary back). Put them
+# in .device/ as NAME.xz (xz -k), with tiny/ and GPL-3 (scripts/build-device.sh's), then run
+# this script with .device carried.
 set -u
 out=${OUT:-/tmp}; m=/tmp/memra-models; b=/tmp/b; mkdir -p "$m" $b
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
