@@ -3,26 +3,6 @@
 // quant_matvec.cu).
 #include "common.cuh"
 
-// The rows of a fused q/k/v product (n x (nq + nk + nv)) into q, k and v (n x nq, n x nk,
-// n x nv).
-extern "C" __global__ void split_qkv(const float* __restrict__ y, float* __restrict__ q, float* __restrict__ k,
-                                     float* __restrict__ v, int nq, int nk, int nv, int n) {
-    PDL_WAIT();
-    const int w = nq + nk + nv;
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n * w) return;
-    const size_t t = i / w;
-    const int c = (int)(i % w);
-    const float x = y[i];
-    if (c < nq) {
-        q[t * nq + c] = x;
-    } else if (c < nq + nk) {
-        k[t * nk + c - nq] = x;
-    } else {
-        v[t * nv + c - nq - nk] = x;
-    }
-}
-
 // y[r][i] += b[i] for rows of length n (total elements `total`).
 extern "C" __global__ void add_bias_f32(float* __restrict__ y, const float* __restrict__ b, int n, int total) {
     PDL_WAIT();
@@ -38,12 +18,13 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ y, const float* __re
 // 32 rows on the H200, about 20 times what its bytes cost. Two passes: gated_amax writes
 // each chunk's largest magnitude after the rows' factors in `scales` (rows x (1 + chunks)),
 // gated_f16 reduces a row's chunks, writes its f16 values and (chunk 0) the row's factor.
+// Rows of g and u are ld apart (n, or 2n where both are one fused product's rows).
 #define GATED_CHUNK 1024
 
 extern "C" __global__ void gated_amax(const float* __restrict__ g, const float* __restrict__ u,
-                                      float* __restrict__ scales, int n, int gelu) {
+                                      float* __restrict__ scales, int n, int ld, int gelu) {
     PDL_WAIT();
-    const size_t base = (size_t)blockIdx.y * n;
+    const size_t base = (size_t)blockIdx.y * ld;
     const int end = min(n, (int)(blockIdx.x + 1) * GATED_CHUNK);
     float amax = 0.0f;
 #pragma unroll 4
@@ -55,18 +36,19 @@ extern "C" __global__ void gated_amax(const float* __restrict__ g, const float* 
 }
 
 extern "C" __global__ void gated_f16(const float* __restrict__ g, const float* __restrict__ u,
-                                     __half* __restrict__ out, float* __restrict__ scales, int n, int gelu) {
+                                     __half* __restrict__ out, float* __restrict__ scales, int n, int ld,
+                                     int gelu) {
     PDL_WAIT();
     const int row = blockIdx.y, chunks = gridDim.x;
     const float* part = scales + gridDim.y + (size_t)row * chunks;
     float amax = 0.0f;
     for (int c = 0; c < chunks; c++) amax = fmaxf(amax, part[c]);
     const float scale = amax > 16384.0f ? exp2f(-ceilf(log2f(amax / 16384.0f))) : 1.0f;
-    const size_t base = (size_t)row * n;
+    const size_t base = (size_t)row * ld, out_base = (size_t)row * n;
     const int end = min(n, (int)(blockIdx.x + 1) * GATED_CHUNK);
 #pragma unroll 4
     for (int i = blockIdx.x * GATED_CHUNK + threadIdx.x; i < end; i += blockDim.x) {
-        out[base + i] = __float2half(gate_act(g[base + i], gelu) * u[base + i] * scale);
+        out[out_base + i] = __float2half(gate_act(g[base + i], gelu) * u[base + i] * scale);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) scales[row] = 1.0f / scale;
 }

@@ -15,20 +15,24 @@ __device__ __forceinline__ void rotate(const float* src, int i, int half, int n_
     b = x0 * s + x1 * c;
 }
 
-// RoPE on q (n_head heads per token, in place) and k (n_head_kv heads, written rotated
-// into the f16 cache), after each head's RMS norm where the architecture has QK-norms
-// (q_norm, k_norm: head_dim weights, or null), and v copied into the cache: one launch
+// RoPE on q (n_head heads per token, read from q_in and written to q) and k (n_head_kv
+// heads, written rotated into the f16 cache), after each head's RMS norm where the
+// architecture has QK-norms (q_norm, k_norm: head_dim weights, or null), and v copied
+// into the cache: one launch
 // instead of two norms, two RoPEs and two copies. Token t of the batch (blockIdx.y) sits at
 // position pos[t] and writes cache row slot[t] (its sequence's block and offset in the paged
 // pool); both are read on the device so that a captured decode graph replays with new ones.
 // The first blocks give a warp to each head (the norm needs the whole head; the rotation
-// reads it from shared memory), the rest a thread to each v element.
+// reads it from shared memory), the rest a thread to each v element. Token t's q, k and v
+// start at t * ld_q, t * ld_kv and t * ld_kv of their pointers (k and v inside a fused
+// product's rows, whose q part is then rotated into a buffer of its own). q_in may be q: a
+// warp reads its whole head into shared memory before it writes any of it.
 #define ROPE_WARPS 4
 
 extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
-    rope_qk_append(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                   __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_head, int n_head_kv,
-                   int head_dim, int dv, int n_dims, const int* __restrict__ pos, const int* __restrict__ slot,
+    rope_qk_append(const float* q_in, float* q, const float* __restrict__ k, const float* __restrict__ v,
+                   int ld_q, int ld_kv, __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_head,
+                   int n_head_kv, int head_dim, int dv, int n_dims, const int* __restrict__ pos, const int* __restrict__ slot,
                    float base, float freq_scale, const float* __restrict__ freq_factors, int halves,
                    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps) {
     // The batch arrays were copied before the step began: read them before waiting for
@@ -40,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
     if ((int)blockIdx.x >= head_blocks) {
         const int v_n = n_head_kv * dv;
         const int i = (blockIdx.x - head_blocks) * blockDim.x + threadIdx.x;
-        if (i < v_n) v_cache[cache_row * v_n + i] = __float2half(v[(size_t)t * v_n + i]);
+        if (i < v_n) v_cache[cache_row * v_n + i] = __float2half(v[(size_t)t * ld_kv + i]);
         return;
     }
     __shared__ float hs[ROPE_WARPS][256];
@@ -49,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
     if (hw >= n_head + n_head_kv) return;
     const bool is_q = hw < n_head;
     const int h = is_q ? hw : hw - n_head;
-    const float* src = is_q ? q + ((size_t)t * n_head + h) * head_dim : k + ((size_t)t * n_head_kv + h) * head_dim;
+    const float* src = is_q ? q_in + (size_t)t * ld_q + h * head_dim : k + (size_t)t * ld_kv + h * head_dim;
     const float* w = is_q ? q_norm : k_norm;
     float* sh = hs[warp];
     // The sum of squares in rms_norm_inplace_f32's order (256 threads, one element each:

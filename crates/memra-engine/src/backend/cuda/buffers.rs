@@ -379,7 +379,8 @@ pub struct BatchBuffers {
     pub q: CudaSlice<f32>,
     pub k: CudaSlice<f32>,
     pub v: CudaSlice<f32>,
-    /// The fused q/k/v product's rows before they are split (layers with `qkv16`).
+    /// The fused q/k/v products' rows (layers with `qkv16` or `qkv_tiles`), which
+    /// `rope_qk_append` reads as they are.
     pub qkv: Option<CudaSlice<f32>>,
     pub o: CudaSlice<f32>,
     pub g: CudaSlice<f32>,
@@ -415,7 +416,9 @@ impl BatchBuffers {
     ) -> Result<BatchBuffers, CudaError> {
         let b = MAX_BATCH;
         let has_experts = layers.iter().any(|l| l.ffn.experts().is_some());
-        let fused = layers.iter().any(|l| l.qkv16.is_some());
+        let fused = layers
+            .iter()
+            .any(|l| l.qkv16.is_some() || !l.qkv_tiles.is_empty());
         let s = &dev.stream;
         Ok(BatchBuffers {
             meta: StepMeta::new(dev, b, b, max_blocks)?,

@@ -98,8 +98,7 @@ impl LayerOps for DecodePass<'_> {
         ops::rope_qk_append(
             dev,
             &mut s.q,
-            &s.k,
-            &s.v,
+            ops::QkvRows::Apart { k: &s.k, v: &s.v },
             &mut self.k_cache[li],
             &mut self.v_cache[li],
             &l.attn,

@@ -73,7 +73,8 @@ pub(super) fn grouped_ffn(
         let idx = Some(&gm.slot_tok);
         qgemm_grouped(dev, tiles(w), &xv, idx, &et(gm, max_tiles, nt), out, pairs)?;
     }
-    ops::gated_f16(dev, g, u, xh, &mut gm.scale, pairs, f, gelu)?;
+    let (gv, uv) = (g.slice(..), u.slice(..));
+    ops::gated_f16(dev, &gv, &uv, f, xh, &mut gm.scale, pairs, f, gelu)?;
     let xv = xh.slice(..pairs * f);
     qgemm_grouped(
         dev,

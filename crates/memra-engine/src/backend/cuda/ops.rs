@@ -2,7 +2,7 @@
 //! normalization, rotary, attention, dequantization and embedding, MoE routing, the greedy
 //! pick. Each documents the shapes it needs; sizes are checked before launching.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::f16;
 use memra_gguf::GgmlType;
 
@@ -56,41 +56,6 @@ pub fn rms_norm_inplace(
             .arg(&n_i)
             .arg(&eps)
             .launch(cfg)?;
-    }
-    Ok(())
-}
-
-/// The `n` rows of a fused q/k/v product (`nq + nk + nv` values each) into `q`, `k` and `v`.
-#[allow(clippy::too_many_arguments)]
-pub fn split_qkv(
-    dev: &CudaDevice,
-    y: &CudaSlice<f32>,
-    q: &mut CudaSlice<f32>,
-    k: &mut CudaSlice<f32>,
-    v: &mut CudaSlice<f32>,
-    (nq, nk, nv): (usize, usize, usize),
-    n: usize,
-) -> Result<(), CudaError> {
-    let total = n * (nq + nk + nv);
-    check(
-        y.len() >= total && q.len() >= n * nq && k.len() >= n * nk && v.len() >= n * nv,
-        "split_qkv: shapes",
-    )?;
-    let f = dev.function("elementwise", "split_qkv")?;
-    let (a, b, c, n_i) = (nq as i32, nk as i32, nv as i32, n as i32);
-    // SAFETY: n rows of each buffer (checked).
-    unsafe {
-        dev.stream
-            .launch_builder(&f)
-            .arg(y)
-            .arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(&a)
-            .arg(&b)
-            .arg(&c)
-            .arg(&n_i)
-            .launch(grid_1d(total))?;
     }
     Ok(())
 }
@@ -203,16 +168,28 @@ pub struct QkNorms<'a> {
     pub eps: f32,
 }
 
-/// The QK-norms (if any) and RoPE on `q` (in place) and `k` for `n_tok` tokens, token `t`
-/// at position `pos[t]`, then `k` and `v` into pool row `slot[t]`. `q`: n_tok x n_head x
-/// head_dim, `k`: n_tok x n_head_kv x head_dim, `v` likewise; `pos` and `slot` are `n_tok`
-/// i32 on the device (a graph replays them), each slot below `pool_slots`.
+/// Where [`rope_qk_append`] finds a batch's q, k and v.
+pub enum QkvRows<'a> {
+    /// Each in its own buffer, q rotated in place.
+    Apart {
+        k: &'a CudaSlice<f32>,
+        v: &'a CudaSlice<f32>,
+    },
+    /// A fused product's rows, q, k and v side by side in each; q rotated into its own
+    /// buffer.
+    Fused(&'a CudaSlice<f32>),
+}
+
+/// The QK-norms (if any) and RoPE on q and k for `n_tok` tokens, token `t` at position
+/// `pos[t]`, then k and v into pool row `slot[t]`. `q`: n_tok x n_head x head_dim (read
+/// there too unless the rows are fused), k: n_tok x n_head_kv x head_dim, v likewise;
+/// `pos` and `slot` are `n_tok` i32 on the device (a graph replays them), each slot below
+/// `pool_slots`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_qk_append(
     dev: &CudaDevice,
     q: &mut CudaSlice<f32>,
-    k: &CudaSlice<f32>,
-    v: &CudaSlice<f32>,
+    rows: QkvRows,
     k_cache: &mut CudaSlice<f16>,
     v_cache: &mut CudaSlice<f16>,
     shape: &AttentionShape,
@@ -224,12 +201,16 @@ pub fn rope_qk_append(
     pool_slots: usize,
 ) -> Result<(), CudaError> {
     let (nh, nkv, dk) = (shape.n_head, shape.n_head_kv, shape.head_dim_k);
+    let (q_len, kv_len) = (nh * dk, nkv * dk);
+    let rows_fit = match &rows {
+        QkvRows::Apart { k, v } => k.len() >= n_tok * kv_len && v.len() >= n_tok * kv_len,
+        QkvRows::Fused(y) => y.len() >= n_tok * (q_len + 2 * kv_len),
+    };
     check(
-        q.len() >= n_tok * nh * dk
-            && k.len() >= n_tok * nkv * dk
-            && v.len() >= n_tok * nkv * dk
-            && k_cache.len() >= pool_slots * nkv * dk
-            && v_cache.len() >= pool_slots * nkv * dk
+        q.len() >= n_tok * q_len
+            && rows_fit
+            && k_cache.len() >= pool_slots * kv_len
+            && v_cache.len() >= pool_slots * kv_len
             && dk <= 256
             && dk % 32 == 0
             && r.n_dims <= dk
@@ -252,12 +233,35 @@ pub fn rope_qk_append(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
+    // Raw pointers: k and v may sit inside the fused rows, at their columns' offsets.
+    let (q_in, k_ptr, v_ptr, ld_q, ld_kv) = match rows {
+        QkvRows::Apart { k, v } => (
+            q.device_ptr(&dev.stream).0,
+            k.device_ptr(&dev.stream).0,
+            v.device_ptr(&dev.stream).0,
+            q_len,
+            kv_len,
+        ),
+        QkvRows::Fused(y) => {
+            let p = y.device_ptr(&dev.stream).0;
+            let f32s = |n: usize| (4 * n) as u64;
+            let ld = q_len + 2 * kv_len;
+            (p, p + f32s(q_len), p + f32s(q_len + kv_len), ld, ld)
+        }
+    };
+    let (ld_q, ld_kv) = (ld_q as i32, ld_kv as i32);
     // SAFETY: the caller keeps every slot below pool_slots, the pool length checked above;
     // every other index is within the shapes checked (heads of at most 256, the kernel's
-    // shared rows).
+    // shared rows; fused rows of q_len + 2 kv_len).
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
-        b.arg(q).arg(k).arg(v).arg(k_cache).arg(v_cache);
+        b.arg(&q_in)
+            .arg(q)
+            .arg(&k_ptr)
+            .arg(&v_ptr)
+            .arg(&ld_q)
+            .arg(&ld_kv);
+        b.arg(k_cache).arg(v_cache);
         for i in &ints {
             b.arg(i);
         }
@@ -686,14 +690,17 @@ pub fn gated_scales_len(rows: usize, n: usize) -> usize {
     rows * (1 + n.div_ceil(GATED_CHUNK))
 }
 
-/// Prompt batches: `out = act(g) * u` as f16 for `rows` rows of `n`; rows whose values
-/// would overflow f16 are scaled down, and `scales[row]` gets the factor to apply to the
-/// down projection's output ([`scale_rows`]). `scales` holds [`gated_scales_len`] floats.
+/// Prompt batches: `out = act(g) * u` as f16 for `rows` rows of `n` (the rows of g and u
+/// `ld` apart: n, or 2n where u is the second half of a fused gate/up product's rows);
+/// rows whose values would overflow f16 are scaled down, and `scales[row]` gets the factor
+/// to apply to the down projection's output ([`scale_rows`]). `scales` holds
+/// [`gated_scales_len`] floats.
 #[allow(clippy::too_many_arguments)]
 pub fn gated_f16(
     dev: &CudaDevice,
-    g: &CudaSlice<f32>,
-    u: &CudaSlice<f32>,
+    g: &CudaView<f32>,
+    u: &CudaView<f32>,
+    ld: usize,
     out: &mut CudaSlice<f16>,
     scales: &mut CudaSlice<f32>,
     rows: usize,
@@ -701,9 +708,11 @@ pub fn gated_f16(
     gelu: bool,
 ) -> Result<(), CudaError> {
     let total = rows * n;
+    let inputs = rows.saturating_sub(1) * ld + n;
     check(
-        g.len() >= total
-            && u.len() >= total
+        ld >= n
+            && g.len() >= inputs
+            && u.len() >= inputs
             && out.len() >= total
             && scales.len() >= gated_scales_len(rows, n)
             && rows <= 65_535,
@@ -717,7 +726,7 @@ pub fn gated_f16(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (n_i, gelu) = (n as i32, i32::from(gelu));
+    let (n_i, ld_i, gelu) = (n as i32, ld as i32, i32::from(gelu));
     let amax = dev.function("elementwise", "gated_amax")?;
     let f = dev.function("elementwise", "gated_f16")?;
     // SAFETY: rows x n elements of g, u and out, gated_scales_len of scales (checked
@@ -729,6 +738,7 @@ pub fn gated_f16(
             .arg(u)
             .arg(&mut *scales)
             .arg(&n_i)
+            .arg(&ld_i)
             .arg(&gelu)
             .launch(cfg)?;
         dev.stream
@@ -738,6 +748,7 @@ pub fn gated_f16(
             .arg(out)
             .arg(scales)
             .arg(&n_i)
+            .arg(&ld_i)
             .arg(&gelu)
             .launch(cfg)?;
     }
@@ -1002,9 +1013,42 @@ mod tests {
                 .stream
                 .alloc_zeros::<f32>(gated_scales_len(rows, n))
                 .unwrap();
-            gated_f16(&dev, &gd, &ud, &mut out, &mut scales, rows, n, gelu).unwrap();
+            let (gv, uv) = (gd.slice(..), ud.slice(..));
+            gated_f16(&dev, &gv, &uv, n, &mut out, &mut scales, rows, n, gelu).unwrap();
             let got = dev.stream.clone_dtoh(&out).unwrap();
             let factors = dev.stream.clone_dtoh(&scales).unwrap();
+            // The same rows as one fused gate/up product's (each row g then u): the same
+            // values and factors.
+            let fused: Vec<f32> = (0..rows)
+                .flat_map(|r| g[r * n..][..n].iter().chain(&u[r * n..][..n]).copied())
+                .collect();
+            let fd = dev.stream.clone_htod(&fused).unwrap();
+            let (fg, fu) = (fd.slice(..), fd.slice(n..));
+            let mut out2 = dev.stream.alloc_zeros::<f16>(rows * n).unwrap();
+            gated_f16(&dev, &fg, &fu, 2 * n, &mut out2, &mut scales, rows, n, gelu).unwrap();
+            assert_eq!(
+                dev.stream.clone_dtoh(&out2).unwrap(),
+                got,
+                "fused rows {rows} {n}"
+            );
+            assert_eq!(dev.stream.clone_dtoh(&scales).unwrap(), factors);
+            // Rows closer than n, and a u too short for the stride.
+            assert!(
+                gated_f16(&dev, &fg, &fu, n - 1, &mut out2, &mut scales, rows, n, gelu).is_err()
+            );
+            let fu_short = fd.slice(n + 1..);
+            assert!(gated_f16(
+                &dev,
+                &fg,
+                &fu_short,
+                2 * n,
+                &mut out2,
+                &mut scales,
+                rows,
+                n,
+                gelu
+            )
+            .is_err());
             for r in 0..rows {
                 let row: Vec<f32> = (0..n)
                     .map(|i| act(g[r * n + i], gelu) * u[r * n + i])
@@ -1030,7 +1074,7 @@ mod tests {
             }
             assert_eq!(factors[rows - 1], 8.0, "the last row is scaled");
             let mut short = dev.stream.alloc_zeros::<f32>(rows).unwrap();
-            assert!(gated_f16(&dev, &gd, &ud, &mut out, &mut short, rows, n, gelu).is_err());
+            assert!(gated_f16(&dev, &gv, &uv, n, &mut out, &mut short, rows, n, gelu).is_err());
 
             // x += o, then the RMS norm of each row times w.
             let x: Vec<f32> = (0..rows * n).map(|_| rnd(2.0)).collect();

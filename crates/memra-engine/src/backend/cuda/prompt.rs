@@ -19,7 +19,7 @@ use super::decode::{moe_ffn, output_logits, qk_norms, qkv_biases};
 use super::experts;
 use super::gemm::Gemm;
 use super::ops;
-use super::qgemm;
+use super::qgemm::{self, TileMatrix};
 use super::sampling::argmax_rows;
 use super::weights::{GpuFfn, GpuLinear, GpuWeights};
 use super::{CudaDevice, CudaError};
@@ -162,28 +162,45 @@ impl LayerOps for PromptPass<'_> {
     fn attention(&mut self, li: usize) -> Result<(), CudaError> {
         let (dev, n, l) = (self.dev, self.n, &self.w.layers[li]);
         self.add_norm(&l.attn_norm)?;
-        let tiled = n <= self.tile_rows && [&l.wq, &l.wk, &l.wv].iter().all(|w| w.tiles.is_some());
-        if let Some(h) = l.qkv16.as_ref().filter(|_| !tiled) {
-            // One GEMM for q, k and v, its rows split after.
+        let (nq, nk, nv) = (l.wq.n_out, l.wk.n_out, l.wv.n_out);
+        let fused = if !l.qkv_tiles.is_empty() && n <= self.tile_rows {
+            // A tile product for each run of q, k and v sharing a layout, each into its
+            // columns of the fused rows, biases added by the products.
             let bb = &mut *self.bb;
-            let (nq, nk, nv) = (l.wq.n_out, l.wk.n_out, l.wv.n_out);
-            let (xh, m, k) = (bb.xh.slice(..n * l.wq.n_in), nq + nk + nv, l.wq.n_in);
+            let xh = bb.xh.slice(..n * l.wq.n_in);
+            let y = bb.qkv.as_mut().expect("allocated");
+            let bias = l.bqkv.as_ref();
+            fused_products(dev, &l.qkv_tiles, bias, &xh, y, &mut bb.tile_work, n)?;
+            true
+        } else if let Some(h) = l.qkv16.as_ref() {
+            // One GEMM for q, k and v.
+            let bb = &mut *self.bb;
+            let xh = bb.xh.slice(..n * l.wq.n_in);
+            let (m, k) = (nq + nk + nv, l.wq.n_in);
             let y = bb.qkv.as_mut().expect("allocated for qkv16");
             bb.gemm.f16_f32(dev, &h.slice(..), &xh, y, 0, m, n, k, m)?;
-            ops::split_qkv(dev, y, &mut bb.q, &mut bb.k, &mut bb.v, (nq, nk, nv), n)?;
+            if let Some(b) = &l.bqkv {
+                ops::add_bias(dev, y, b, n * m)?;
+            }
+            true
         } else {
             self.linear(&l.wq, Out::Q)?;
             self.linear(&l.wk, Out::K)?;
             self.linear(&l.wv, Out::V)?;
-        }
+            let bb = &mut *self.bb;
+            qkv_biases(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n)?;
+            false
+        };
         let bb = &mut *self.bb;
-        qkv_biases(dev, l, &mut bb.q, &mut bb.k, &mut bb.v, n)?;
         let (pos, slots) = (bb.meta.pos(), bb.meta.slots());
+        let rows = match fused {
+            true => ops::QkvRows::Fused(bb.qkv.as_ref().expect("allocated")),
+            false => ops::QkvRows::Apart { k: &bb.k, v: &bb.v },
+        };
         ops::rope_qk_append(
             dev,
             &mut bb.q,
-            &bb.k,
-            &bb.v,
+            rows,
             &mut self.k_cache[li],
             &mut self.v_cache[li],
             &l.attn,
@@ -241,19 +258,27 @@ impl LayerOps for PromptPass<'_> {
         self.add_norm(&l.ffn_norm)?;
         match &l.ffn {
             GpuFfn::Dense { gate, up, down } => {
-                self.linear(gate, Out::G)?;
-                self.linear(up, Out::U)?;
-                let (bb, f) = (&mut *self.bb, gate.n_out);
-                ops::gated_f16(
-                    dev,
-                    &bb.g,
-                    &bb.u,
-                    &mut bb.xh,
-                    &mut bb.row_scale,
-                    n,
-                    f,
-                    self.gelu,
-                )?;
+                let f = gate.n_out;
+                let ld = if !l.gate_up_tiles.is_empty() && n <= self.tile_rows {
+                    // Gate and up side by side in bb.g's rows (2f each: tile steps have at
+                    // most DENSE_TILE_ROWS rows, a half of the MAX_BATCH it holds).
+                    let bb = &mut *self.bb;
+                    let xh = bb.xh.slice(..n * gate.n_in);
+                    let tw = &mut bb.tile_work;
+                    fused_products(dev, &l.gate_up_tiles, None, &xh, &mut bb.g, tw, n)?;
+                    2 * f
+                } else {
+                    self.linear(gate, Out::G)?;
+                    self.linear(up, Out::U)?;
+                    f
+                };
+                let bb = &mut *self.bb;
+                let (g, u) = match ld == f {
+                    true => (bb.g.slice(..), bb.u.slice(..)),
+                    false => (bb.g.slice(..), bb.g.slice(f..)),
+                };
+                let (xh, rs) = (&mut bb.xh, &mut bb.row_scale);
+                ops::gated_f16(dev, &g, &u, ld, xh, rs, n, f, self.gelu)?;
                 self.linear(down, Out::O)?;
                 let bb = &mut *self.bb;
                 ops::scale_rows(dev, &mut bb.o, &bb.row_scale, n, e)?;
@@ -413,12 +438,39 @@ pub(super) fn alloc_batch(
         .map(|w| w.n_in * w.n_out.min(gemm_chunk_rows(GEMM_SCRATCH, w.n_in)))
         .max()
         .unwrap_or(0);
+    let fused_tiles = w
+        .layers
+        .iter()
+        .flat_map(|l| l.qkv_tiles.iter().chain(&l.gate_up_tiles));
     let tile_work = matrices()
         .filter_map(|w| w.tiles.as_deref())
+        .chain(fused_tiles)
         .map(|t| qgemm::work_len(t, DENSE_TILE_ROWS))
         .max()
         .unwrap_or(0);
     BatchBuffers::new(dev, &w.layers, widths, max_blocks, (w_max, tile_work))
+}
+
+/// The tile products of matrices that multiply the same `n` rows `x` (`tiles`: their runs
+/// of one layout, [`GpuLayer::qkv_tiles`]), each into its columns of `y`'s rows, which are
+/// all the matrices' outputs side by side; `bias` (the rows' width, or None) added.
+fn fused_products(
+    dev: &CudaDevice,
+    tiles: &[TileMatrix],
+    bias: Option<&CudaSlice<f32>>,
+    x: &CudaView<f16>,
+    y: &mut CudaSlice<f32>,
+    work: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let ld = tiles.iter().map(|t| t.n_out).sum();
+    let mut at = 0;
+    for t in tiles {
+        let b = bias.map(|b| b.slice(at..at + t.n_out));
+        qgemm::qgemm(dev, t, x, &mut y.slice_mut(at..), ld, b.as_ref(), work, n)?;
+        at += t.n_out;
+    }
+    Ok(())
 }
 
 /// What [`linear`] multiplies with besides the weights (borrowed from the batch buffers).
@@ -450,7 +502,7 @@ fn linear(
     let rb = w.row_bytes();
     let (m, k) = (w.n_out, w.n_in);
     if let Some(t) = w.tiles.as_deref().filter(|_| n <= tile_rows) {
-        return qgemm::qgemm(dev, t, x, y, None, tile_work, n);
+        return qgemm::qgemm(dev, t, x, &mut y.slice_mut(..), m, None, tile_work, n);
     }
     if w.in_qkv {
         // No scratch was sized for it: its rows are in the layer's fused copy.

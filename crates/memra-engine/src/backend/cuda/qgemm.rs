@@ -10,7 +10,9 @@
 //! type's scales are per 16). It costs about 0.63 bytes a weight at 4 bits and 1.13-1.25 at
 //! 8, besides the quantized copy the mat-vec kernels read.
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use half::f16;
 use rayon::prelude::*;
 
@@ -176,6 +178,22 @@ pub(super) fn repack(
 }
 
 impl HostTiles {
+    /// Appends `other`'s rows to a dense matrix of the same layout (bits, scale groups,
+    /// columns): each tile is self-contained (its matrix's level offset is folded into its
+    /// mins), so the layout of the whole is the parts' one after the other. Gives `other`
+    /// back where the layouts differ or this matrix's rows are not whole blocks.
+    pub(super) fn append(&mut self, other: HostTiles) -> Result<(), HostTiles> {
+        let same = (self.bits, self.group, self.n_in) == (other.bits, other.group, other.n_in);
+        if !same || self.n_expert != 1 || other.n_expert != 1 || self.rows_pad != self.n_out {
+            return Err(other);
+        }
+        self.levels.extend_from_slice(&other.levels);
+        self.scales.extend_from_slice(&other.scales);
+        self.n_out += other.n_out;
+        self.rows_pad += other.rows_pad;
+        Ok(())
+    }
+
     /// Weight (expert `e`, `row`, column `k`) as the kernels compute it (f16 ops).
     #[cfg(test)]
     pub fn value(&self, e: usize, row: usize, k: usize) -> f32 {
@@ -324,14 +342,16 @@ fn kernel_fn(
     Ok((f, smem))
 }
 
-/// `y (n x t.n_out, f32) = x (n x t.n_in, f16) . t^T (+ bias)`; `work` takes the split
-/// sums ([`work_len`]).
+/// `y (n x t.n_out, f32, rows ldy apart) = x (n x t.n_in, f16) . t^T (+ bias)`; `work`
+/// takes the split sums ([`work_len`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn qgemm(
     dev: &CudaDevice,
     t: &TileMatrix,
     x: &CudaView<f16>,
-    y: &mut CudaSlice<f32>,
-    bias: Option<&CudaSlice<f32>>,
+    y: &mut CudaViewMut<f32>,
+    ldy: usize,
+    bias: Option<&CudaView<f32>>,
     work: &mut CudaSlice<f32>,
     n: usize,
 ) -> Result<(), CudaError> {
@@ -340,7 +360,8 @@ pub(super) fn qgemm(
         t.n_expert == 1
             && n > 0
             && x.len() >= n * k
-            && y.len() >= n * m
+            && ldy >= m
+            && y.len() >= (n - 1) * ldy + m
             && bias.is_none_or(|b| b.len() >= m)
             && work.len() >= work_len(t, n),
         "qgemm: shapes",
@@ -355,7 +376,7 @@ pub(super) fn qgemm(
         shared_mem_bytes: smem,
     };
     let null = 0u64;
-    let (n_i, k_i, m_i, zero) = (n as i32, k as i32, m as i32, 0i64);
+    let (n_i, k_i, m_i, ld_i, zero) = (n as i32, k as i32, m as i32, ldy as i32, 0i64);
     let bias_ptr = match (bias, parts) {
         (Some(b), 1) => b.device_ptr(&dev.stream).0,
         _ => 0,
@@ -379,7 +400,7 @@ pub(super) fn qgemm(
             .arg(&n_i)
             .arg(&k_i)
             .arg(&m_i)
-            .arg(&m_i)
+            .arg(&ld_i)
             .arg(&zero)
             .arg(&zero)
             .launch(cfg)?;
@@ -404,7 +425,7 @@ pub(super) fn qgemm(
             .arg(y)
             .arg(&n_i)
             .arg(&m_i)
-            .arg(&m_i)
+            .arg(&ld_i)
             .arg(&p_i)
             .arg(&slots)
             .launch(cfg)?;
@@ -529,6 +550,49 @@ mod tests {
         assert!(repack(G::Q8_0, &w, 128, 2, 1).is_none());
     }
 
+    /// A layer's q, k and v appended into one matrix keep every weight where they share a
+    /// layout; a matrix of another layout, or one after rows that are not whole blocks, is
+    /// given back untouched.
+    #[test]
+    fn appended_matrices_keep_their_weights() {
+        let mut seed = 11u64;
+        let (n_in, shapes) = (512, [256usize, 64, 64]);
+        let parts: Vec<HostTiles> = shapes
+            .iter()
+            .map(|&rows| {
+                let w = random_weights(G::Q4K, n_in, rows, &mut seed);
+                repack(G::Q4K, &w, n_in, rows, 1).expect("repacked")
+            })
+            .collect();
+        let copy = |h: &HostTiles| HostTiles {
+            levels: h.levels.clone(),
+            scales: h.scales.clone(),
+            ..*h
+        };
+        let mut all = copy(&parts[0]);
+        for p in &parts[1..] {
+            assert!(all.append(copy(p)).is_ok());
+        }
+        assert_eq!((all.n_out, all.rows_pad), (384, 384));
+        let mut r0 = 0;
+        for p in &parts {
+            for r in 0..p.n_out {
+                for k in (0..n_in).step_by(7) {
+                    assert_eq!(all.value(0, r0 + r, k), p.value(0, r, k), "row {r0} + {r}");
+                }
+            }
+            r0 += p.n_out;
+        }
+        // Q6_K's 8-bit levels onto 4-bit ones; rows after 100 (not whole blocks of 64).
+        let w = random_weights(G::Q6K, n_in, 64, &mut seed);
+        let other = repack(G::Q6K, &w, n_in, 64, 1).unwrap();
+        let back = all.append(other).expect_err("another layout");
+        assert_eq!((back.bits, back.n_out, all.n_out), (8, 64, 384));
+        let w = random_weights(G::Q4K, n_in, 100, &mut seed);
+        let mut short = repack(G::Q4K, &w, n_in, 100, 1).unwrap();
+        assert!(short.append(copy(&parts[1])).is_err());
+    }
+
     /// f16 activations in [-1, 1], and their values.
     fn random_acts(n: usize, seed: &mut u64) -> Vec<f16> {
         (0..n)
@@ -558,28 +622,52 @@ mod tests {
             (G::Q5_0, 896, 40),
             (G::Q3K, 256, 17000),
         ];
-        for (ty, n_in, n_out) in shapes {
-            let w = random_weights(ty, n_in, n_out, &mut seed);
-            let h = repack(ty, &w, n_in, n_out, 1).expect("repacked");
+        for (ty, n_in, rows) in shapes {
+            let w = random_weights(ty, n_in, rows, &mut seed);
+            let mut h = repack(ty, &w, n_in, rows, 1).expect("repacked");
+            // A second matrix of the type appended where the first's rows are whole blocks
+            // (as a layer's q, k and v are), refused where they are not.
+            let more = random_weights(ty, n_in, 72, &mut seed);
+            let more = repack(ty, &more, n_in, 72, 1).expect("repacked");
+            assert_eq!(h.append(more).is_ok(), rows % QG_ROWS == 0, "{ty} {rows}");
+            let n_out = h.n_out;
             let t = TileMatrix::upload(&dev, &h).unwrap();
             let bias: Vec<f32> = (0..n_out).map(|i| i as f32 * 0.01 - 0.3).collect();
             let bd = dev.stream.clone_htod(&bias).unwrap();
+            // Rows of y wider than the product, which starts at a column offset: the
+            // columns around it keep their values.
+            let (ld, at, fill) = (n_out + 5, 3, 7.5f32);
             for n in [1usize, 5, 16, 17, 40, 64, 100] {
                 let x = random_acts(n * n_in, &mut seed);
                 let xd = dev.stream.clone_htod(&x).unwrap();
-                let mut y = dev.stream.alloc_zeros::<f32>(n * n_out).unwrap();
+                let mut y = dev.stream.clone_htod(&vec![fill; n * ld]).unwrap();
                 let mut work = dev
                     .stream
                     .alloc_zeros::<f32>(work_len(&t, n).max(1))
                     .unwrap();
-                let b = (n % 2 == 1).then_some(&bd);
-                qgemm(&dev, &t, &xd.slice(..), &mut y, b, &mut work, n).unwrap();
+                let b = (n % 2 == 1).then(|| bd.slice(..));
+                let mut yv = y.slice_mut(at..);
+                qgemm(
+                    &dev,
+                    &t,
+                    &xd.slice(..),
+                    &mut yv,
+                    ld,
+                    b.as_ref(),
+                    &mut work,
+                    n,
+                )
+                .unwrap();
                 let got = dev.stream.clone_dtoh(&y).unwrap();
                 for tok in 0..n {
-                    for r in 0..n_out {
+                    for (c, &g) in got[tok * ld..][..ld].iter().enumerate() {
+                        let Some(r) = c.checked_sub(at).filter(|&r| r < n_out) else {
+                            assert_eq!(g, fill, "{ty} n{n} t{tok} column {c} written");
+                            continue;
+                        };
                         let (want, mag) = reference(&h, 0, r, &x[tok * n_in..][..n_in]);
-                        let want = want + b.map_or(0.0, |_| f64::from(bias[r]));
-                        let g = f64::from(got[tok * n_out + r]);
+                        let want = want + b.as_ref().map_or(0.0, |_| f64::from(bias[r]));
+                        let g = f64::from(g);
                         assert!(
                             (g - want).abs() <= 1e-4 * mag + 1e-5,
                             "{ty} {n_in}x{n_out} n{n} t{tok} r{r}: {g} vs {want} (split {})",
@@ -595,8 +683,14 @@ mod tests {
         let xd = dev.stream.alloc_zeros::<f16>(256 * 3).unwrap();
         let mut y = dev.stream.alloc_zeros::<f32>(64 * 4).unwrap();
         let mut work = dev.stream.alloc_zeros::<f32>(1).unwrap();
-        assert!(qgemm(&dev, &t, &xd.slice(..), &mut y, None, &mut work, 4).is_err());
-        assert!(qgemm(&dev, &t, &xd.slice(..), &mut y, None, &mut work, 3).is_err());
+        let x = xd.slice(..);
+        assert!(qgemm(&dev, &t, &x, &mut y.slice_mut(..), 64, None, &mut work, 4).is_err());
+        assert!(qgemm(&dev, &t, &x, &mut y.slice_mut(..), 64, None, &mut work, 3).is_err());
+        // Rows closer than the product's width, and too few of them for the stride.
+        let mut work = dev.stream.alloc_zeros::<f32>(work_len(&t, 3)).unwrap();
+        assert!(qgemm(&dev, &t, &x, &mut y.slice_mut(..), 63, None, &mut work, 3).is_err());
+        assert!(qgemm(&dev, &t, &x, &mut y.slice_mut(..), 100, None, &mut work, 3).is_err());
+        qgemm(&dev, &t, &x, &mut y.slice_mut(..), 64, None, &mut work, 3).unwrap();
     }
 
     /// The grouped products and the routing's grouping (`moe_group`) against the reference
@@ -752,7 +846,8 @@ mod tests {
                     .unwrap();
                 let q = time(&mut |i| {
                     let t = &tiles[i % copies];
-                    qgemm(&dev, t, &xd.slice(..), &mut y, None, &mut work, n).unwrap();
+                    let mut yv = y.slice_mut(..);
+                    qgemm(&dev, t, &xd.slice(..), &mut yv, n_out, None, &mut work, n).unwrap();
                 });
                 let c = time(&mut |i| {
                     let wv = w16[i % f16_copies].slice(..);

@@ -9,7 +9,7 @@ use half::f16;
 use super::buffers::{gemm_chunk_rows, GEMM_SCRATCH};
 use super::matvec::{supported, upload_weights, ExpertWeights};
 use super::ops::{self, check_shape, AttentionShape, DeviceRope};
-use super::qgemm::{repack, TileMatrix};
+use super::qgemm::{repack, HostTiles, TileMatrix};
 use super::{CudaDevice, CudaError};
 use crate::models::layers::{Decoder, Ffn};
 use crate::models::rope::RopeLayout;
@@ -60,6 +60,9 @@ pub(super) struct GpuLayer {
     pub(super) bq: Option<CudaSlice<f32>>,
     pub(super) bk: Option<CudaSlice<f32>>,
     pub(super) bv: Option<CudaSlice<f32>>,
+    /// bq, bk and bv side by side (zeros for one a layer lacks), for the fused products'
+    /// rows; None where the layer has none.
+    pub(super) bqkv: Option<CudaSlice<f32>>,
     pub(super) q_norm: Option<CudaSlice<f32>>,
     pub(super) k_norm: Option<CudaSlice<f32>>,
     pub(super) wo: GpuLinear,
@@ -73,6 +76,13 @@ pub(super) struct GpuLayer {
     /// multiplies: cuBLAS ran k and v (1024 x 4096 for an 8B) alone at a third of a TB/s
     /// for batches of 2 to 256 rows (docs/cuda.md).
     pub(super) qkv16: Option<CudaSlice<f16>>,
+    /// q, k and v in the tile layout for the decode steps that go through it, their rows in
+    /// that order, one matrix for each run of them that shares a layout (all three in one
+    /// where v's type is q's; empty without tile copies): a launch each, whose rows are
+    /// 11-12 us on the H100 at 16 tokens whatever their size below a few thousand.
+    pub(super) qkv_tiles: Vec<TileMatrix>,
+    /// A dense FFN's gate and up likewise (their rows side by side in the products' rows).
+    pub(super) gate_up_tiles: Vec<TileMatrix>,
 }
 
 pub(super) enum GpuFfn {
@@ -289,6 +299,19 @@ impl GpuWeights {
                 bq: opt(&l.bq, &mut up_f32)?,
                 bk: opt(&l.bk, &mut up_f32)?,
                 bv: opt(&l.bv, &mut up_f32)?,
+                bqkv: match (&l.bq, &l.bk, &l.bv) {
+                    (None, None, None) => None,
+                    (bq, bk, bv) => {
+                        let mut b = Vec::new();
+                        for (bias, w) in [(bq, &l.wq), (bk, &l.wk), (bv, &l.wv)] {
+                            match bias {
+                                Some(v) => b.extend_from_slice(v),
+                                None => b.resize(b.len() + w.n_out(), 0.0),
+                            }
+                        }
+                        Some(up_f32(&b)?)
+                    }
+                },
                 q_norm: opt(&l.q_norm, &mut up_f32)?,
                 k_norm: opt(&l.k_norm, &mut up_f32)?,
                 wo: upload(&l.wo)?,
@@ -305,6 +328,8 @@ impl GpuWeights {
                 },
                 attn,
                 qkv16: None,
+                qkv_tiles: Vec::new(),
+                gate_up_tiles: Vec::new(),
             });
         }
         let output_norm = up_f32(&model.output_norm)?;
@@ -460,10 +485,9 @@ impl GpuWeights {
             }
             Ok(())
         };
+        let mut fused_bytes = 0;
         for (g, m) in self.layers.iter_mut().zip(&model.layers) {
-            for (gw, mw) in [(&mut g.wq, &m.wq), (&mut g.wk, &m.wk), (&mut g.wv, &m.wv)] {
-                keep(gw, mw)?;
-            }
+            g.qkv_tiles = fused_runs(dev, &[(&g.wq, &m.wq), (&g.wk, &m.wk), (&g.wv, &m.wv)])?;
             keep(&mut g.wo, &m.wo)?;
             if let (
                 GpuFfn::Dense { gate, up, down },
@@ -474,13 +498,41 @@ impl GpuWeights {
                 },
             ) = (&mut g.ffn, &m.ffn)
             {
-                keep(gate, mg)?;
-                keep(up, mu)?;
+                g.gate_up_tiles = fused_runs(dev, &[(gate, mg), (up, mu)])?;
                 keep(down, md)?;
             }
+            let fused = g.qkv_tiles.iter().chain(&g.gate_up_tiles);
+            fused_bytes += fused.map(TileMatrix::bytes).sum::<usize>();
         }
-        keep(&mut self.output, &model.output)
+        keep(&mut self.output, &model.output)?;
+        self.tile_bytes += fused_bytes;
+        Ok(())
     }
+}
+
+/// Matrices that multiply the same rows (a layer's q, k and v; gate and up) as tile
+/// matrices of their rows in order, one for each run that shares a layout; none if one of
+/// them cannot be copied (their products then go through the f16 path).
+fn fused_runs(
+    dev: &CudaDevice,
+    parts: &[(&GpuLinear, &Linear)],
+) -> Result<Vec<TileMatrix>, CudaError> {
+    let hosts: Option<Vec<_>> = parts
+        .iter()
+        .map(|(g, l)| repack(g.ty, &l.packed(), g.n_in, g.n_out, 1))
+        .collect();
+    let mut runs: Vec<HostTiles> = Vec::new();
+    for h in hosts.into_iter().flatten() {
+        let h = match runs.last_mut() {
+            Some(r) => match r.append(h) {
+                Ok(()) => continue,
+                Err(h) => h,
+            },
+            None => h,
+        };
+        runs.push(h);
+    }
+    runs.iter().map(|h| TileMatrix::upload(dev, h)).collect()
 }
 
 /// Bytes of `n_expert` matrices of `n_out` x `n_in` weights of `ty` in the tile layout: 4
