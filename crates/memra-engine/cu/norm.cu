@@ -21,17 +21,36 @@ extern "C" __global__ void rms_norm_inplace_f32(float* __restrict__ x, const flo
 // f16 for the next GEMM. One block per row of n, launched with ADD_NORM_THREADS: a row's
 // loads are issued together (256 threads looping over a row of 4,096 waited on one load
 // after another, 13 us a launch for 32 rows on the H200).
+// o is `parts` arrays of rows `stride` floats apart, added in part order: a product's
+// rows (parts 1), or the split sums of a tile product, which this adds as qgemm_reduce
+// would (so that a step needs no reduce launch before the norm). Where s is given the sum
+// is times s[row] (the gated activation's factor, as scale_rows would apply it).
 extern "C" __global__ void add_norm_f16(float* __restrict__ x, const float* __restrict__ o,
-                                        const float* __restrict__ w, __half* __restrict__ out, int n, float eps) {
+                                        const float* __restrict__ s, const float* __restrict__ w,
+                                        __half* __restrict__ out, int n, int parts, long long stride,
+                                        float eps) {
     PDL_WAIT();
     float* xr = x + (size_t)blockIdx.x * n;
     const float* orow = o ? o + (size_t)blockIdx.x * n : nullptr;
+    const float f = s ? s[blockIdx.x] : 1.0f;
     float ss = 0.0f;
 #pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float v = xr[i];
         if (orow) {
-            v += orow[i];
+            const float* src = orow + i;
+            float acc = src[0];
+            int p = 1;
+            for (; p + 4 <= parts; p += 4) {
+                const float a = src[p * stride], b = src[(p + 1) * stride], c = src[(p + 2) * stride],
+                            d = src[(p + 3) * stride];
+                acc += a;
+                acc += b;
+                acc += c;
+                acc += d;
+            }
+            for (; p < parts; ++p) acc += src[p * stride];
+            v += __fmul_rn(acc, f);  // rounded apart, as scale_rows then the add did
             xr[i] = v;
         }
         ss += v * v;

@@ -30,7 +30,7 @@ pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS, MAX_MATVEC_ROWS};
 use super::decode::DecodePass;
 use super::graph::{DecodeGraph, StepGraph};
 use super::ops;
-use super::prompt::{alloc_batch, Logits, PromptPass, RowsOn, DENSE_TILE_ROWS};
+use super::prompt::{alloc_batch, Logits, Pending, PromptPass, RowsOn, DENSE_TILE_ROWS};
 use super::sampling::{
     argmax, argmax_rows, mask_rows_on_device as ops_mask_rows, DevicePick, MAX_CANDIDATES,
 };
@@ -1077,7 +1077,7 @@ impl GpuDecoder {
             softcap: self.softcap,
             host_logits,
             ids_later,
-            pending: false,
+            pending: Pending::Nothing,
             logits: None,
             grown: 0,
         }

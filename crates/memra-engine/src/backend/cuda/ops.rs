@@ -306,7 +306,9 @@ pub fn decode_splits(n_kv: usize) -> usize {
 /// `MEMRA_DECODE_HEADS_PER_BLOCK` sets it, to measure.
 const DECODE_HEADS_PER_BLOCK: usize = 1;
 /// From this many blocks (KV heads x splits x sequences, about the H200's 132 SMs) the
-/// launch fills the GPU without sharing out the heads, and each block takes its group.
+/// launch fills the GPU without sharing out the heads, and each block takes its group
+/// (H100, llama3-8b, 128-token prompts: sharing at every size instead took 32 rows from
+/// 5,303 to 4,794 t/s and 64 from 8,246 to 7,152; docs/cuda.md).
 const DECODE_SHARED_HEADS_BELOW_BLOCKS: usize = 128;
 
 fn decode_heads_per_block() -> usize {
@@ -649,34 +651,75 @@ fn attention_prefill_on(
 /// issues its loads at once (norm.cu).
 const ADD_NORM_THREADS: u32 = 1024;
 
+/// What [`add_norm_f16`] adds to each row first: `parts` arrays of rows `stride` floats
+/// apart (a product's rows: 1 part; a tile product's split sums, unreduced), summed in part
+/// order, times `scale[row]` where given (the gated activation's factors).
+#[derive(Clone, Copy)]
+pub struct Addend<'a> {
+    pub sums: &'a CudaSlice<f32>,
+    pub parts: usize,
+    pub stride: usize,
+    pub scale: Option<&'a CudaSlice<f32>>,
+}
+
+impl<'a> Addend<'a> {
+    /// Rows of the residual's width, as they are.
+    pub fn rows(o: &'a CudaSlice<f32>) -> Self {
+        Addend {
+            sums: o,
+            parts: 1,
+            stride: 0,
+            scale: None,
+        }
+    }
+}
+
 /// Prompt batches: `x += o` (when given), then the RMS norm of each of `rows` rows times
 /// `w`, as f16 into `out`.
 pub fn add_norm_f16(
     dev: &CudaDevice,
     x: &mut CudaSlice<f32>,
-    o: Option<&CudaSlice<f32>>,
+    o: Option<Addend>,
     w: &CudaSlice<f32>,
     out: &mut CudaSlice<f16>,
     rows: usize,
     eps: f32,
 ) -> Result<(), CudaError> {
     let n = w.len();
+    let o_fits = |o: &Addend| {
+        o.parts >= 1
+            && (o.parts == 1 || o.stride >= rows * n)
+            && o.sums.len() >= (o.parts - 1) * o.stride + rows * n
+            && o.scale.is_none_or(|s| s.len() >= rows)
+    };
     check(
-        x.len() >= rows * n && o.is_none_or(|o| o.len() >= rows * n) && out.len() >= rows * n,
+        x.len() >= rows * n && o.as_ref().is_none_or(o_fits) && out.len() >= rows * n,
         "add_norm_f16: shapes",
     )?;
     let f = dev.function("norm", "add_norm_f16")?;
     let cfg = blocks(rows, ADD_NORM_THREADS);
     let (n_i, null) = (n as i32, 0u64);
-    // SAFETY: rows x n elements of x, o and out; n of w (checked above).
+    let (parts, stride) = o.map_or((0, 0), |o| (o.parts as i32, o.stride as i64));
+    // SAFETY: rows x n elements of x and out, of each part of o; rows of the scales; n of
+    // w (checked above).
     unsafe {
         let mut b = dev.stream.launch_builder(&f);
         b.arg(x);
-        match o {
-            Some(o) => b.arg(o),
+        match &o {
+            Some(o) => b.arg(o.sums),
             None => b.arg(&null),
         };
-        b.arg(w).arg(out).arg(&n_i).arg(&eps).launch(cfg)?;
+        match o.and_then(|o| o.scale) {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
+        b.arg(w)
+            .arg(out)
+            .arg(&n_i)
+            .arg(&parts)
+            .arg(&stride)
+            .arg(&eps)
+            .launch(cfg)?;
     }
     Ok(())
 }
@@ -1076,32 +1119,66 @@ mod tests {
             let mut short = dev.stream.alloc_zeros::<f32>(rows).unwrap();
             assert!(gated_f16(&dev, &gv, &uv, n, &mut out, &mut short, rows, n, gelu).is_err());
 
-            // x += o, then the RMS norm of each row times w.
-            let x: Vec<f32> = (0..rows * n).map(|_| rnd(2.0)).collect();
-            let o: Vec<f32> = (0..rows * n).map(|_| rnd(2.0)).collect();
+            // x += o, then the RMS norm of each row times w; o as rows, or as 1-7 parts
+            // of split sums (a stride with room between them) summed in part order, with
+            // and without each row's factor.
             let w: Vec<f32> = (0..n).map(|_| rnd(1.5)).collect();
-            let mut xd = dev.stream.clone_htod(&x).unwrap();
-            let (od, wd) = (
-                dev.stream.clone_htod(&o).unwrap(),
-                dev.stream.clone_htod(&w).unwrap(),
-            );
+            let wd = dev.stream.clone_htod(&w).unwrap();
+            let row_f: Vec<f32> = (0..rows).map(|r| [1.0, 0.25, 0.125][r % 3]).collect();
+            let fd = dev.stream.clone_htod(&row_f).unwrap();
             let eps = 1e-5;
-            add_norm_f16(&dev, &mut xd, Some(&od), &wd, &mut out, rows, eps).unwrap();
-            let (sum, normed) = (
-                dev.stream.clone_dtoh(&xd).unwrap(),
-                dev.stream.clone_dtoh(&out).unwrap(),
-            );
-            for r in 0..rows {
-                let v: Vec<f32> = (0..n).map(|i| x[r * n + i] + o[r * n + i]).collect();
-                let rms =
-                    (v.iter().map(|a| (a * a) as f64).sum::<f64>() / n as f64 + eps as f64).sqrt();
-                for i in 0..n {
-                    assert_eq!(sum[r * n + i], v[i], "row {r} column {i}: x + o");
-                    let want = (v[i] as f64 / rms * w[i] as f64) as f32;
-                    let have = normed[r * n + i].to_f32();
+            for (parts, scaled) in [(1, false), (1, true), (5, false), (7, true)] {
+                let x: Vec<f32> = (0..rows * n).map(|_| rnd(2.0)).collect();
+                let stride = rows * n + 3 * n + 1;
+                let o: Vec<f32> = (0..(parts - 1) * stride + rows * n)
+                    .map(|_| rnd(2.0))
+                    .collect();
+                let mut xd = dev.stream.clone_htod(&x).unwrap();
+                let od = dev.stream.clone_htod(&o).unwrap();
+                let addend = Addend {
+                    sums: &od,
+                    parts,
+                    stride,
+                    scale: scaled.then_some(&fd),
+                };
+                add_norm_f16(&dev, &mut xd, Some(addend), &wd, &mut out, rows, eps).unwrap();
+                let (sum, normed) = (
+                    dev.stream.clone_dtoh(&xd).unwrap(),
+                    dev.stream.clone_dtoh(&out).unwrap(),
+                );
+                for r in 0..rows {
+                    let v: Vec<f32> = (0..n)
+                        .map(|i| {
+                            let mut acc = 0.0f32;
+                            for p in 0..parts {
+                                acc += o[p * stride + r * n + i];
+                            }
+                            x[r * n + i] + acc * if scaled { row_f[r] } else { 1.0 }
+                        })
+                        .collect();
+                    let rms = (v.iter().map(|a| (a * a) as f64).sum::<f64>() / n as f64
+                        + eps as f64)
+                        .sqrt();
+                    for i in 0..n {
+                        assert_eq!(sum[r * n + i], v[i], "{parts} parts, row {r} column {i}");
+                        let want = (v[i] as f64 / rms * w[i] as f64) as f32;
+                        let have = normed[r * n + i].to_f32();
+                        assert!(
+                            (have - want).abs() <= 2e-3 * want.abs() + 1e-4,
+                            "{parts} parts, row {r} column {i}: {have} vs {want}"
+                        );
+                    }
+                }
+                // Parts that overlap, and too few sums for the last part, are refused.
+                if parts > 1 {
+                    let mut bad = addend;
+                    bad.stride = rows * n - 1;
                     assert!(
-                        (have - want).abs() <= 2e-3 * want.abs() + 1e-4,
-                        "row {r} column {i}: {have} vs {want}"
+                        add_norm_f16(&dev, &mut xd, Some(bad), &wd, &mut out, rows, eps).is_err()
+                    );
+                    bad.stride = stride + 1;
+                    assert!(
+                        add_norm_f16(&dev, &mut xd, Some(bad), &wd, &mut out, rows, eps).is_err()
                     );
                 }
             }

@@ -30,6 +30,36 @@ use crate::models::layers::Hyper;
 /// it); the decoder's chooser sets how many do (`PromptPass::tile_rows`).
 pub(super) const DENSE_TILE_ROWS: usize = 64;
 
+/// A block's output not yet added to the residual stream.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Pending {
+    Nothing,
+    /// In `bb.o`'s rows; times `bb.row_scale`'s factor of each row where `scaled`.
+    Rows {
+        scaled: bool,
+    },
+    /// A tile product's split sums in `bb.tile_work` ([`qgemm::Sums::Parts`]), which the
+    /// next norm adds itself (no reduce launch); times the rows' factors where `scaled`.
+    Parts {
+        parts: usize,
+        slots: usize,
+        scaled: bool,
+    },
+}
+
+impl Pending {
+    fn of(sums: qgemm::Sums, scaled: bool) -> Self {
+        match sums {
+            qgemm::Sums::Done => Pending::Rows { scaled },
+            qgemm::Sums::Parts { parts, slots } => Pending::Parts {
+                parts,
+                slots,
+                scaled,
+            },
+        }
+    }
+}
+
 /// Where the logits of a step's rows are.
 pub(super) enum Logits {
     /// Rows of `step.logits` on the device (the decode kernels computed them); `best` when
@@ -84,18 +114,36 @@ pub(super) struct PromptPass<'a> {
     /// The rows' argmaxes stay in `bb.best` (the pass is being captured into a graph,
     /// where nothing may copy to the host): the head's result has no ids.
     pub ids_later: bool,
-    /// `bb.o` holds a block's output not yet added to the residual stream.
-    pub pending: bool,
+    /// A block's output not yet added to the residual stream.
+    pub pending: Pending,
     /// The head's result, and device bytes it allocated (a larger logits buffer).
     pub logits: Option<Logits>,
     pub grown: usize,
 }
 
 impl PromptPass<'_> {
-    /// `bb.x += bb.o` (when pending), normed by `norm` into `bb.xh` (f16).
+    /// `bb.x += ` the pending output, normed by `norm` into `bb.xh` (f16).
     fn add_norm(&mut self, norm: &CudaSlice<f32>) -> Result<(), CudaError> {
         let bb = &mut *self.bb;
-        let o = self.pending.then_some(&bb.o);
+        let e = self.hp.n_embd;
+        let scale = |scaled: bool| scaled.then_some(&bb.row_scale);
+        let o = match self.pending {
+            Pending::Nothing => None,
+            Pending::Rows { scaled } => Some(ops::Addend {
+                scale: scale(scaled),
+                ..ops::Addend::rows(&bb.o)
+            }),
+            Pending::Parts {
+                parts,
+                slots,
+                scaled,
+            } => Some(ops::Addend {
+                sums: &bb.tile_work,
+                parts,
+                stride: slots * e,
+                scale: scale(scaled),
+            }),
+        };
         ops::add_norm_f16(
             self.dev,
             &mut bb.x,
@@ -104,7 +152,52 @@ impl PromptPass<'_> {
             &mut bb.xh,
             self.n,
             self.hp.rms_eps,
-        )
+        )?;
+        self.pending = Pending::Nothing;
+        Ok(())
+    }
+
+    /// The pending output as rows of `bb.o`, as they are (for a norm of its own, or a
+    /// copy into the step buffers).
+    fn settle(&mut self) -> Result<(), CudaError> {
+        let (dev, bb, n, e) = (self.dev, &mut *self.bb, self.n, self.hp.n_embd);
+        let scaled = match self.pending {
+            Pending::Nothing => return Ok(()),
+            Pending::Rows { scaled } => scaled,
+            Pending::Parts {
+                parts,
+                slots,
+                scaled,
+            } => {
+                let y = &mut bb.o.slice_mut(..);
+                qgemm::reduce(dev, &bb.tile_work, None, y, e, n, e, parts, slots)?;
+                scaled
+            }
+        };
+        if scaled {
+            ops::scale_rows(dev, &mut bb.o, &bb.row_scale, n, e)?;
+        }
+        self.pending = Pending::Rows { scaled: false };
+        Ok(())
+    }
+
+    /// A block's output projection `o = xh . w^T`, left pending: a tile product's split
+    /// sums stay unreduced for the next norm to add.
+    fn output(&mut self, w: &GpuLinear, scaled: bool) -> Result<(), CudaError> {
+        let (bb, n) = (&mut *self.bb, self.n);
+        let xh = bb.xh.slice(..n * w.n_in);
+        let sums = match w.tiles.as_deref().filter(|_| n <= self.tile_rows) {
+            Some(t) => {
+                let (y, work) = (&mut bb.o.slice_mut(..), &mut bb.tile_work);
+                qgemm::qgemm_unreduced(self.dev, t, &xh, y, w.n_out, None, work, n)?
+            }
+            None => {
+                self.linear(w, Out::O)?;
+                qgemm::Sums::Done
+            }
+        };
+        self.pending = Pending::of(sums, scaled);
+        Ok(())
     }
 
     /// `y = xh[..n x w.n_in] . w^T`.
@@ -244,17 +337,17 @@ impl LayerOps for PromptPass<'_> {
                 self.longest,
             )?;
         }
-        self.linear(&l.wo, Out::O)?;
+        self.output(&l.wo, false)?;
         if let Some(w) = &l.post_attn_norm {
+            self.settle()?;
             ops::rms_norm_inplace(dev, &mut self.bb.o, w, n, self.hp.rms_eps)?;
         }
-        self.pending = true;
         Ok(())
     }
 
     fn ffn(&mut self, li: usize) -> Result<(), CudaError> {
         let (dev, n, l) = (self.dev, self.n, &self.w.layers[li]);
-        let (e, eps) = (self.hp.n_embd, self.hp.rms_eps);
+        let eps = self.hp.rms_eps;
         self.add_norm(&l.ffn_norm)?;
         match &l.ffn {
             GpuFfn::Dense { gate, up, down } => {
@@ -279,9 +372,8 @@ impl LayerOps for PromptPass<'_> {
                 };
                 let (xh, rs) = (&mut bb.xh, &mut bb.row_scale);
                 ops::gated_f16(dev, &g, &u, ld, xh, rs, n, f, self.gelu)?;
-                self.linear(down, Out::O)?;
-                let bb = &mut *self.bb;
-                ops::scale_rows(dev, &mut bb.o, &bb.row_scale, n, e)?;
+                // Times the rows' factors when the next norm adds it.
+                self.output(down, true)?;
             }
             GpuFfn::Experts(xp) => {
                 // The router is a GEMM on the f16 rows; the experts are grouped products
@@ -293,10 +385,10 @@ impl LayerOps for PromptPass<'_> {
                     let (xh, g, u, moe, o) =
                         (&mut bb.xh, &mut bb.g, &mut bb.u, &mut bb.moe, &mut bb.o);
                     experts::grouped_ffn(dev, xp, xh, g, u, moe, o, n, self.gelu)?;
+                    self.pending = Pending::Rows { scaled: false };
                     if let Some(w) = &l.post_ffn_norm {
                         ops::rms_norm_inplace(dev, &mut self.bb.o, w, n, eps)?;
                     }
-                    self.pending = true;
                     return Ok(());
                 }
                 let acts = bb.moe_acts.as_mut().expect("allocated with expert layers");
@@ -314,12 +406,13 @@ impl LayerOps for PromptPass<'_> {
                     self.gelu,
                     false,
                 )?;
+                self.pending = Pending::Rows { scaled: false };
             }
         }
         if let Some(w) = &l.post_ffn_norm {
+            self.settle()?;
             ops::rms_norm_inplace(dev, &mut self.bb.o, w, n, eps)?;
         }
-        self.pending = true;
         Ok(())
     }
 
@@ -334,18 +427,20 @@ impl LayerOps for PromptPass<'_> {
         if rows.len() <= MAX_MATVEC_ROWS {
             // Few rows: their residual streams into the step buffers and the decode
             // kernels (no dequantized output matrix).
+            self.settle()?;
+            let pending = self.pending != Pending::Nothing;
             let (bb, s) = (&*self.bb, &mut *self.step);
             for (i, &r) in rows.iter().enumerate() {
                 let (src, dst) = (r * e..(r + 1) * e, i * e..(i + 1) * e);
                 dev.stream
                     .memcpy_dtod(&bb.x.slice(src.clone()), &mut s.x[0].slice_mut(dst.clone()))?;
-                if self.pending {
+                if pending {
                     dev.stream
                         .memcpy_dtod(&bb.o.slice(src), &mut s.o.slice_mut(dst))?;
                 }
             }
             let [xa, xb] = &mut s.x;
-            let o = self.pending.then_some(&s.o);
+            let o = pending.then_some(&s.o);
             output_logits(
                 dev,
                 norm,

@@ -342,6 +342,17 @@ fn kernel_fn(
     Ok((f, smem))
 }
 
+/// Where a dense tile product left its result.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Sums {
+    /// In `y`, the bias added.
+    Done,
+    /// As split sums in the work buffer, `parts` arrays of `slots` rows of `n_out`, the
+    /// bias not added: for [`reduce`], or a kernel that adds them itself in part order
+    /// (`add_norm_f16`).
+    Parts { parts: usize, slots: usize },
+}
+
 /// `y (n x t.n_out, f32, rows ldy apart) = x (n x t.n_in, f16) . t^T (+ bias)`; `work`
 /// takes the split sums ([`work_len`]).
 #[allow(clippy::too_many_arguments)]
@@ -355,6 +366,24 @@ pub(super) fn qgemm(
     work: &mut CudaSlice<f32>,
     n: usize,
 ) -> Result<(), CudaError> {
+    match qgemm_unreduced(dev, t, x, y, ldy, bias, work, n)? {
+        Sums::Done => Ok(()),
+        Sums::Parts { parts, slots } => reduce(dev, work, bias, y, ldy, n, t.n_out, parts, slots),
+    }
+}
+
+/// [`qgemm`] without the reduce launch: a split product's sums stay in `work`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qgemm_unreduced(
+    dev: &CudaDevice,
+    t: &TileMatrix,
+    x: &CudaView<f16>,
+    y: &mut CudaViewMut<f32>,
+    ldy: usize,
+    bias: Option<&CudaView<f32>>,
+    work: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<Sums, CudaError> {
     let (k, m) = (t.n_in, t.n_out);
     check(
         t.n_expert == 1
@@ -405,9 +434,35 @@ pub(super) fn qgemm(
             .arg(&zero)
             .launch(cfg)?;
     }
-    if parts == 1 {
-        return Ok(());
-    }
+    let slots = tiles_y * 8 * nt;
+    Ok(match parts {
+        1 => Sums::Done,
+        _ => Sums::Parts { parts, slots },
+    })
+}
+
+/// `y[t] = bias + the split sums of token t in part order`, for `n` tokens of `m` outputs.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn reduce(
+    dev: &CudaDevice,
+    work: &CudaSlice<f32>,
+    bias: Option<&CudaView<f32>>,
+    y: &mut CudaViewMut<f32>,
+    ldy: usize,
+    n: usize,
+    m: usize,
+    parts: usize,
+    slots: usize,
+) -> Result<(), CudaError> {
+    check(
+        n > 0
+            && n <= slots
+            && work.len() >= parts * slots * m
+            && ldy >= m
+            && y.len() >= (n - 1) * ldy + m
+            && bias.is_none_or(|b| b.len() >= m),
+        "qgemm_reduce: shapes",
+    )?;
     let f = dev.function("quant_gemm", "qgemm_reduce")?;
     let cfg = LaunchConfig {
         grid_dim: (m.div_ceil(256) as u32, n as u32, 1),
@@ -415,12 +470,13 @@ pub(super) fn qgemm(
         shared_mem_bytes: 0,
     };
     let bias_ptr = bias.map_or(0, |b| b.device_ptr(&dev.stream).0);
-    let (p_i, slots) = (parts as i32, (tiles_y * 8 * nt) as i32);
-    // SAFETY: the work buffer holds parts x slots x m sums (checked above).
+    let (n_i, m_i, ld_i, p_i, slots) = (n as i32, m as i32, ldy as i32, parts as i32, slots as i32);
+    // SAFETY: the work buffer holds parts x slots x m sums, y n rows ldy apart (checked
+    // above).
     unsafe {
         dev.stream
             .launch_builder(&f)
-            .arg(&*work)
+            .arg(work)
             .arg(&bias_ptr)
             .arg(y)
             .arg(&n_i)
