@@ -427,6 +427,68 @@ mod tests {
 
     #[test]
     #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_argmax_rows_picks_the_first_largest() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 23u64;
+        let mut rnd = |m: u64| lcg(&mut seed) % m;
+        // Lengths below a block, around one turn of the kernel's 16 x 1024 loads, and
+        // vocabularies; values from a small set so that the largest is often tied.
+        for (case, &n) in [1usize, 7, 1023, 16_383, 16_384, 16_385, 32_000, 151_936]
+            .iter()
+            .enumerate()
+        {
+            let rows = 1 + case % 5 * 4;
+            let mut x: Vec<f32> = (0..rows * n).map(|_| rnd(50) as f32 - 25.0).collect();
+            for r in 0..rows {
+                let row = &mut x[r * n..(r + 1) * n];
+                match r % 4 {
+                    // The largest at both ends of the row: the first wins.
+                    1 => {
+                        row[0] = 100.0;
+                        row[n - 1] = 100.0;
+                    }
+                    // NaN is never the pick; an all-NaN row gives 0, as all -inf does.
+                    2 if n > 2 => row[n / 2] = f32::NAN,
+                    3 => row.fill(if case % 2 == 0 {
+                        f32::NAN
+                    } else {
+                        f32::NEG_INFINITY
+                    }),
+                    _ => {}
+                }
+            }
+            let want: Vec<i32> = x
+                .chunks(n)
+                .map(|row| {
+                    let mut at = None::<usize>;
+                    for (i, &v) in row.iter().enumerate() {
+                        if !v.is_nan() && at.is_none_or(|a| v > row[a]) {
+                            at = Some(i);
+                        }
+                    }
+                    at.unwrap_or(0) as i32
+                })
+                .collect();
+            let xd = dev.stream.clone_htod(&x).unwrap();
+            let mut best = dev.stream.alloc_zeros::<i32>(rows).unwrap();
+            argmax_rows(&dev, &xd, rows, n, &mut best).unwrap();
+            let got = dev.stream.clone_dtoh(&best).unwrap();
+            assert_eq!(got, want, "{rows} rows of {n}");
+        }
+        let xd = dev.stream.alloc_zeros::<f32>(100).unwrap();
+        let mut best = dev.stream.alloc_zeros::<i32>(2).unwrap();
+        assert!(
+            argmax_rows(&dev, &xd, 2, 51, &mut best).is_err(),
+            "rows past x"
+        );
+        assert!(
+            argmax_rows(&dev, &xd, 3, 10, &mut best).is_err(),
+            "rows past out"
+        );
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
     fn gpu_token_mask_matches_the_cpu_masking() {
         use crate::constraint::{allows, apply_mask};
         let dev = CudaDevice::new(0).expect("GPU");
