@@ -52,7 +52,10 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
     }
 }
 
-#define MAX_GROUP 8      // query heads per kv head the decode kernel handles
+// Query heads per kv head the decode kernel handles: G, 4 or 8 (attn_decode_d*_g4 and _g8),
+// the kernel compiled for the model's group (ops::decode_kernel). Its loops and arrays run
+// to G, so a group of 4 in the kernel for 8 had paid for 8: llama3-8b on the H100, 16 rows
+// 18.8 -> 16.0 us a layer (2.40 -> 2.22 M instructions).
 #define DECODE_WARPS 2
 #define DECODE_BLOCK 16  // positions per KV block the decode kernel takes (bs_log2 == 4)
 
@@ -75,7 +78,7 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
 // (decode_splits in ops.rs, within n_split), its later splits left empty (an empty
 // partial adds exact zeros in the combine), so that a row of a batch, or of a speculative
 // verify step whose later rows see more keys, sums in the order it would by itself.
-template <int D>
+template <int D, int G>
 __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const __half* __restrict__ k_cache,
                                             const __half* __restrict__ v_cache, float* __restrict__ part_o,
                                             float* __restrict__ part_ml, const int* __restrict__ ctx_len,
@@ -118,9 +121,9 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     // The group's queries (contiguous) into shared memory, a thread's loads all in flight
     // together: a loop waiting on each load in turn had cost the kernel 7-16 L2 round trips,
     // most of its time at short contexts.
-    __shared__ float qs[MAX_GROUP][D];
+    __shared__ float qs[G][D];
     {
-        constexpr int QN = MAX_GROUP * D / (DECODE_WARPS * WARP_SIZE);
+        constexpr int QN = G * D / (DECODE_WARPS * WARP_SIZE);
         const float* qg = q + ((size_t)kvh * group + g0) * D;
         float qv[QN];
 #pragma unroll
@@ -137,9 +140,9 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     __syncthreads();
 
     const size_t row = (size_t)n_head_kv * D;
-    float m[MAX_GROUP], l[MAX_GROUP], o[MAX_GROUP][E];
+    float m[G], l[G], o[G][E];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
+    for (int g = 0; g < G; ++g) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
 #pragma unroll
@@ -175,9 +178,9 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                 }
             }
         }
-        float s[MAX_GROUP];
+        float s[G];
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) s[g] = 0.0f;
+        for (int g = 0; g < G; ++g) s[g] = 0.0f;
         if (valid) {
             const __half* kr = k_cache + STEP_SLOT(lane) * row + (size_t)kvh * D;
             // Unrolled so that a lane's loads of its key row are in flight together.
@@ -186,7 +189,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                 float kv[8];
                 load_halves<8>(kr + d, kv);
 #pragma unroll
-                for (int g = 0; g < MAX_GROUP; ++g) {
+                for (int g = 0; g < G; ++g) {
                     if (g < gn) {
 #pragma unroll
                         for (int i = 0; i < 8; ++i) s[g] += qs[g][d + i] * kv[i];
@@ -196,7 +199,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
         }
         const int n_valid = min(WARP_SIZE, end - base);
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
+        for (int g = 0; g < G; ++g) {
             if (g >= gn) break;
             float mx = valid ? s[g] : -INFINITY;
 #pragma unroll
@@ -226,7 +229,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                     }
                 }
 #pragma unroll
-                for (int g = 0; g < MAX_GROUP; ++g) {
+                for (int g = 0; g < G; ++g) {
                     if (g >= gn) break;
                     const float p = __shfl_sync(0xffffffff, s[g], j);
 #pragma unroll
@@ -240,7 +243,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                 float vv[E];
                 load_halves<E>(v_cache + STEP_SLOT(j) * row + (size_t)kvh * D + lane * E, vv);
 #pragma unroll
-                for (int g = 0; g < MAX_GROUP; ++g) {
+                for (int g = 0; g < G; ++g) {
                     if (g >= gn) break;
                     const float p = __shfl_sync(0xffffffff, s[g], j);
 #pragma unroll
@@ -254,10 +257,10 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
 
 #undef STEP_SLOT
     // Merge the warps: each writes its state, warp 0 combines.
-    __shared__ float sm[DECODE_WARPS][MAX_GROUP][2];
-    __shared__ float so[DECODE_WARPS][MAX_GROUP][D];
+    __shared__ float sm[DECODE_WARPS][G][2];
+    __shared__ float so[DECODE_WARPS][G][D];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
+    for (int g = 0; g < G; ++g) {
         if (g >= gn) break;
         if (lane == 0) {
             sm[warp][g][0] = m[g];
@@ -286,21 +289,25 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     }
 }
 
-#define ATTN_DECODE(D)                                                                                              \
+#define ATTN_DECODE(D, G)                                                                                           \
     extern "C" __global__ void __launch_bounds__(DECODE_WARPS * WARP_SIZE)                                          \
-        attn_decode_d##D(const float* __restrict__ q, const __half* __restrict__ k_cache,                           \
-                         const __half* __restrict__ v_cache, float* __restrict__ part_o,                            \
-                         float* __restrict__ part_ml, const int* __restrict__ ctx_len,                              \
-                         const int* __restrict__ block_tables, int max_blocks, int bs_log2, int n_head,             \
-                         int n_head_kv, int window, float scale, int n_split) {                                     \
-        attn_decode<D>(q, k_cache, v_cache, part_o, part_ml, ctx_len, block_tables, max_blocks, bs_log2, n_head,    \
-                       n_head_kv, window, scale, n_split);                                                          \
+        attn_decode_d##D##_g##G(const float* __restrict__ q, const __half* __restrict__ k_cache,                    \
+                                const __half* __restrict__ v_cache, float* __restrict__ part_o,                     \
+                                float* __restrict__ part_ml, const int* __restrict__ ctx_len,                       \
+                                const int* __restrict__ block_tables, int max_blocks, int bs_log2, int n_head,      \
+                                int n_head_kv, int window, float scale, int n_split) {                              \
+        attn_decode<D, G>(q, k_cache, v_cache, part_o, part_ml, ctx_len, block_tables, max_blocks, bs_log2, n_head, \
+                          n_head_kv, window, scale, n_split);                                                       \
     }
 
-ATTN_DECODE(32)
-ATTN_DECODE(64)
-ATTN_DECODE(128)
-ATTN_DECODE(256)
+ATTN_DECODE(32, 4)
+ATTN_DECODE(64, 4)
+ATTN_DECODE(128, 4)
+ATTN_DECODE(256, 4)
+ATTN_DECODE(32, 8)
+ATTN_DECODE(64, 8)
+ATTN_DECODE(128, 8)
+ATTN_DECODE(256, 8)
 
 // Merges the splits of each head (blockIdx.x) of each sequence (blockIdx.y) into the
 // attention output, row blockIdx.y; writes it as f32 (`out`, may be null), as f16 (`out_h`,

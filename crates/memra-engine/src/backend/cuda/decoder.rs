@@ -873,14 +873,8 @@ impl GpuDecoder {
     /// The decode step of `rows` sequences as a graph (`n_split` attention splits, which
     /// it rewrites as contexts grow).
     fn capture_decode(&mut self, n_split: usize, rows: usize) -> Result<DecodeGraph, CudaError> {
-        let attention: Vec<_> = [32, 64, 128, 256]
-            .iter()
-            .map(|&d| {
-                Ok(self
-                    .dev
-                    .function("attention", ops::decode_kernel(d))?
-                    .cu_function())
-            })
+        let attention: Vec<_> = ops::decode_kernels()
+            .map(|k| Ok(self.dev.function("attention", k)?.cu_function()))
             .collect::<Result<_, CudaError>>()?;
         let combine = self
             .dev

@@ -111,7 +111,7 @@ pub fn check_shape(s: &AttentionShape) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// Query heads per kv head the decode kernel handles (`MAX_GROUP` in attention.cu).
+/// Query heads per kv head the decode kernels handle (the largest `G` in attention.cu).
 const MAX_GROUP: usize = 8;
 
 /// Where the sequences of a step keep their keys and values in the paged pool, on the
@@ -366,7 +366,10 @@ pub fn attention_decode(
             && part_ml.len() >= n * n_split * s.n_head * 2,
         "attention_decode: shapes",
     )?;
-    let f = dev.function("attention", decode_kernel(s.head_dim_k))?;
+    let f = dev.function(
+        "attention",
+        decode_kernel(s.head_dim_k, s.n_head / s.n_head_kv),
+    )?;
     // Two warps (DECODE_WARPS in attention.cu).
     let cfg = LaunchConfig {
         grid_dim: (
@@ -397,13 +400,28 @@ pub fn attention_decode(
     Ok(())
 }
 
-pub fn decode_kernel(head_dim: usize) -> &'static str {
-    match head_dim {
-        32 => "attn_decode_d32",
-        64 => "attn_decode_d64",
-        128 => "attn_decode_d128",
-        _ => "attn_decode_d256",
+/// The decode attention kernel for heads of `head_dim` and `group` query heads a KV head
+/// (a model's constant, so a captured graph keeps its kernel): compiled for groups of up
+/// to 4 or up to [`MAX_GROUP`] (`G` in attention.cu). The kernel for 8 running a group of 4
+/// took 4% more time at 1 row and 3-4% at 16 and 64 on llama3-8b (H100, docs/cuda.md).
+pub fn decode_kernel(head_dim: usize, group: usize) -> &'static str {
+    match (head_dim, group <= 4) {
+        (32, true) => "attn_decode_d32_g4",
+        (64, true) => "attn_decode_d64_g4",
+        (128, true) => "attn_decode_d128_g4",
+        (_, true) => "attn_decode_d256_g4",
+        (32, false) => "attn_decode_d32_g8",
+        (64, false) => "attn_decode_d64_g8",
+        (128, false) => "attn_decode_d128_g8",
+        _ => "attn_decode_d256_g8",
     }
+}
+
+/// Every decode attention kernel (those a graph's split count rewrites).
+pub fn decode_kernels() -> impl Iterator<Item = &'static str> {
+    [32, 64, 128, 256]
+        .into_iter()
+        .flat_map(|d| [4, MAX_GROUP].map(|g| decode_kernel(d, g)))
 }
 
 /// Decode attention, second half: merges the splits of `n_seqs` sequences into their
