@@ -27,6 +27,24 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// acc + src[p * stride] for p = first .. parts-1, added in part order (a tile product's
+// split sums: qgemm_reduce and add_norm_f16 both add them so, and must agree), four loads in
+// flight at once: a loop of one load after another waited on each.
+__device__ __forceinline__ float add_parts(float acc, const float* __restrict__ src, size_t stride, int first,
+                                           int parts) {
+    int p = first;
+    for (; p + 4 <= parts; p += 4) {
+        const float a = src[p * stride], b = src[(p + 1) * stride], c = src[(p + 2) * stride],
+                    d = src[(p + 3) * stride];
+        acc += a;
+        acc += b;
+        acc += c;
+        acc += d;
+    }
+    for (; p < parts; ++p) acc += src[p * stride];
+    return acc;
+}
+
 // Sum over a block of up to 1024 threads; every thread gets the result.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[WARP_SIZE];

@@ -39,17 +39,7 @@ extern "C" __global__ void add_norm_f16(float* __restrict__ x, const float* __re
         float v = xr[i];
         if (orow) {
             const float* src = orow + i;
-            float acc = src[0];
-            int p = 1;
-            for (; p + 4 <= parts; p += 4) {
-                const float a = src[p * stride], b = src[(p + 1) * stride], c = src[(p + 2) * stride],
-                            d = src[(p + 3) * stride];
-                acc += a;
-                acc += b;
-                acc += c;
-                acc += d;
-            }
-            for (; p < parts; ++p) acc += src[p * stride];
+            const float acc = add_parts(src[0], src, (size_t)stride, 1, parts);
             v += __fmul_rn(acc, f);  // rounded apart, as scale_rows then the add did
             xr[i] = v;
         }

@@ -257,20 +257,8 @@ extern "C" __global__ void qgemm_reduce(const float* __restrict__ part, const fl
     PDL_WAIT();
     const int t = blockIdx.y, r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= n_rows || t >= n) return;
-    // Four parts' loads in flight at once (a loop of one load after another waited on
-    // each), added in part order all the same.
+    // Added in part order, as add_norm_f16 adds them where the norm takes the sums.
     const float* src = part + (size_t)t * n_rows + r;
-    const size_t stride = (size_t)slots * n_rows;
-    float acc = bias != nullptr ? bias[r] : 0.0f;
-    int p = 0;
-    for (; p + 4 <= parts; p += 4) {
-        const float a = src[p * stride], b = src[(p + 1) * stride], c = src[(p + 2) * stride],
-                    d = src[(p + 3) * stride];
-        acc += a;
-        acc += b;
-        acc += c;
-        acc += d;
-    }
-    for (; p < parts; ++p) acc += src[p * stride];
+    const float acc = add_parts(bias != nullptr ? bias[r] : 0.0f, src, (size_t)slots * n_rows, 0, parts);
     y[(size_t)t * ldy + r] = acc;
 }
