@@ -22,8 +22,9 @@ ab() { # label, sequence counts, then VAR=value settings
 ab "choices as they are" 1,9,12,16,32,64,256
 ab "without the dense tile copies" 9,12,16,32,64 MEMRA_DENSE_TILES=0
 ab "the dense tile copies up to 16 rows only" 24,32,64 MEMRA_DENSE_TILE_ROWS=16
-ab "decodes of GEMM steps through the tensor-core prompt attention" 32,64,256 \
-  MEMRA_BATCH_DECODE_ATTENTION=0
+ab "decodes through the decode attention at every size" 128,256 MEMRA_PROMPT_ATTENTION_FROM=100000
+ab "decodes through the tensor-core prompt attention from 64 rows" 64,96 MEMRA_PROMPT_ATTENTION_FROM=64
+ab "the group attention kernel at every size" 1,9,16 MEMRA_DECODE_ONE_HEAD_BELOW=0
 serve() { # label, then memra serve's extra flags
   local label=$1
   shift

@@ -52,17 +52,19 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
     }
 }
 
-// Query heads per kv head the decode kernel handles: G, 4 or 8 (attn_decode_d*_g4 and _g8),
-// the kernel compiled for the model's group (ops::decode_kernel). Its loops and arrays run
-// to G, so a group of 4 in the kernel for 8 had paid for 8: llama3-8b on the H100, 16 rows
-// 18.8 -> 16.0 us a layer (2.40 -> 2.22 M instructions).
+// Query heads a decode block handles: G, 1 (attn_decode_d*_g1, a block per query head, for
+// launches of few blocks) or 4 or 8 (_g4, _g8: a KV head's group, the kernel compiled for
+// the model's group; ops::decode_kernel). Its loops and arrays run to G, so a group of 4 in
+// the kernel for 8 had paid for 8: llama3-8b on the H100, 16 rows 18.8 -> 16.0 us a layer
+// (2.40 -> 2.22 M instructions); and a block of one head in the kernel for 4 kept its
+// registers (164: the one-head kernel gave 9 rows +5%).
 #define DECODE_WARPS 2
 #define DECODE_BLOCK 16  // positions per KV block the decode kernel takes (bs_log2 == 4)
 
 // Decode: block (kv head and head share, split) takes its share of keys for its share of
 // the query heads of the group: gridDim.x is n_head_kv x the shares (the host's choice,
-// `decode_grid_x`; a graph rewrites it with the split count), a share ceil(group / shares)
-// heads. Fewer heads per warp is less serial work per warp: at short contexts the kernel is
+// `decode_grid_x`: 1 or the group; a graph rewrites it, and the kernel, with the split
+// count), a share ceil(group / shares) heads. Fewer heads per warp is less serial work per warp: at short contexts the kernel is
 // one warp's instruction latency (8 query heads a warp took 2,800 instructions for 4 keys,
 // 18 us under Nsight Compute on the 30B-A3B).
 // Each lane scores one key per 32-key step (its whole row: no reduction across lanes), the
@@ -123,7 +125,7 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
     // most of its time at short contexts.
     __shared__ float qs[G][D];
     {
-        constexpr int QN = G * D / (DECODE_WARPS * WARP_SIZE);
+        constexpr int QN = (G * D + DECODE_WARPS * WARP_SIZE - 1) / (DECODE_WARPS * WARP_SIZE);
         const float* qg = q + ((size_t)kvh * group + g0) * D;
         float qv[QN];
 #pragma unroll
@@ -300,6 +302,11 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
                           n_head_kv, window, scale, n_split);                                                       \
     }
 
+// One head a block (ops::decode_one_head: launches of few blocks), or a group of up to 4 or 8.
+ATTN_DECODE(32, 1)
+ATTN_DECODE(64, 1)
+ATTN_DECODE(128, 1)
+ATTN_DECODE(256, 1)
 ATTN_DECODE(32, 4)
 ATTN_DECODE(64, 4)
 ATTN_DECODE(128, 4)

@@ -29,12 +29,32 @@ __device__ __forceinline__ void rotate(const float* src, int i, int half, int n_
 // warp reads its whole head into shared memory before it writes any of it.
 #define ROPE_WARPS 4
 
+// A fused q|k|v tile product left as split sums (ops::QkvRows::Sums): up to three runs of
+// columns, run r holding columns end[r-1] .. end[r]-1 (from 0) as parts[r] arrays of
+// slots[r] rows at sums + off[r]. The rope adds them in part order, as qgemm_reduce would,
+// so a step needs no reduce launch before it. sums null: the rows are as given.
+struct QkvSums {
+    const float* sums;
+    const float* bias;  // of the fused columns, may be null
+    int end[3];
+    int parts[3];
+    int slots[3];
+    long long off[3];
+};
+
+__device__ __forceinline__ float qkv_sum(const QkvSums& s, int t, int col) {
+    const int r = col < s.end[0] ? 0 : (col < s.end[1] ? 1 : 2);
+    const int c0 = r == 0 ? 0 : s.end[r - 1], m = s.end[r] - c0;
+    const float* src = s.sums + s.off[r] + (size_t)t * m + (col - c0);
+    return add_parts(s.bias ? s.bias[col] : 0.0f, src, (size_t)s.slots[r] * m, 0, s.parts[r]);
+}
+
 extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
     rope_qk_append(const float* q_in, float* q, const float* __restrict__ k, const float* __restrict__ v,
                    int ld_q, int ld_kv, __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_head,
                    int n_head_kv, int head_dim, int dv, int n_dims, const int* __restrict__ pos, const int* __restrict__ slot,
                    float base, float freq_scale, const float* __restrict__ freq_factors, int halves,
-                   const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps) {
+                   const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps, QkvSums sums) {
     // The batch arrays were copied before the step began: read them before waiting for
     // the previous kernel.
     const int t = blockIdx.y, p = pos[t];
@@ -44,7 +64,10 @@ extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
     if ((int)blockIdx.x >= head_blocks) {
         const int v_n = n_head_kv * dv;
         const int i = (blockIdx.x - head_blocks) * blockDim.x + threadIdx.x;
-        if (i < v_n) v_cache[cache_row * v_n + i] = __float2half(v[(size_t)t * ld_kv + i]);
+        if (i < v_n) {
+            const float x = sums.sums ? qkv_sum(sums, t, n_head * head_dim + v_n + i) : v[(size_t)t * ld_kv + i];
+            v_cache[cache_row * v_n + i] = __float2half(x);
+        }
         return;
     }
     __shared__ float hs[ROPE_WARPS][256];
@@ -54,6 +77,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
     const bool is_q = hw < n_head;
     const int h = is_q ? hw : hw - n_head;
     const float* src = is_q ? q_in + (size_t)t * ld_q + h * head_dim : k + (size_t)t * ld_kv + h * head_dim;
+    const int col0 = hw * head_dim;  // the head's first column in fused rows (q's heads, then k's)
     const float* w = is_q ? q_norm : k_norm;
     float* sh = hs[warp];
     // The sum of squares in rms_norm_inplace_f32's order (256 threads, one element each:
@@ -61,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_WARPS * WARP_SIZE)
     // the separate kernel's values bit for bit: lane j ends with chunk j's sum.
     float part = 0.0f;
     for (int d0 = 0; d0 < head_dim; d0 += WARP_SIZE) {
-        const float x = src[d0 + lane];
+        const float x = sums.sums ? qkv_sum(sums, t, col0 + d0 + lane) : src[d0 + lane];
         sh[d0 + lane] = x;
         const float c = warp_sum(x * x);
         if (lane == d0 / WARP_SIZE) part = c;

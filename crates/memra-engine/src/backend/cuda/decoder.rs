@@ -28,7 +28,7 @@ use half::f16;
 use super::buffers::{BatchBuffers, StepBuffers, Widths, BATCH_DECODE_PARTS, DECODE_PARTS};
 pub use super::buffers::{MAX_BATCH, MAX_DECODE_ROWS, MAX_MATVEC_ROWS};
 use super::decode::DecodePass;
-use super::graph::{DecodeGraph, StepGraph};
+use super::graph::{DecodeGraph, DecodeKernels, StepGraph};
 use super::ops;
 use super::prompt::{alloc_batch, Logits, Pending, PromptPass, RowsOn, DENSE_TILE_ROWS};
 use super::sampling::{
@@ -92,6 +92,17 @@ pub const DENSE_TILES_SHARE: f64 = 0.25;
 /// later blocks need), and with plain edges 2,704-2,723 against 2,566 (12 rows: 1,899-1,915
 /// against 1,824).
 const PDL_DECODE_ROWS: usize = MAX_MATVEC_ROWS;
+
+/// Steps of at least this many leading decodes take the prompt attention for them (the
+/// tensor cores, a query's group heads as a tile's rows, no split partials to combine)
+/// rather than the decode kernels, and run eagerly (graphs are for steps of decode
+/// attention). H100, llama3-8b Q4_K_M, `bench --batched -npp 128 -ntg 32` (docs/cuda.md;
+/// the decode kernels' steps graphed, the prompt attention's eager): 64 rows 8,384-8,459
+/// t/s through the decode kernels against 7,184-7,366 through the prompt attention, 96 rows
+/// 9,286 against 9,671, 128 rows 11,822-11,875 against 12,458-12,654, 256 rows
+/// 16,646-16,777 against 18,822-18,903 (96 rows won by 4% too; 128 is the default the
+/// tests ran with). `MEMRA_PROMPT_ATTENTION_FROM` sets it, to measure.
+const PROMPT_ATTENTION_FROM_DECODES: usize = 128;
 
 /// Graphs of batched decode steps kept at once (each a row count and split count seen
 /// twice); past it they are dropped and captured again as the counts come back.
@@ -172,9 +183,9 @@ pub struct GpuDecoder {
     /// Sequences one decode step takes: MAX_DECODE_ROWS where every matrix has tensor-core
     /// kernels, else MAX_MATVEC_ROWS (`MEMRA_DECODE_MMQ=0` forces the latter, to measure).
     decode_rows: usize,
-    /// A prompt batch's decodes take the decode attention kernels (off: the prompt
-    /// attention, one query in a tile; `MEMRA_BATCH_DECODE_ATTENTION=0`, to measure both).
-    batch_decode_attention: bool,
+    /// A prompt batch's leading decodes take the decode attention kernels while fewer than
+    /// this many, else the prompt attention (PROMPT_ATTENTION_FROM_DECODES).
+    prompt_attention_from: usize,
     /// The one-context API's sequence: positions it holds (in blocks 0, 1, ...).
     own_len: usize,
     n_ctx: usize,
@@ -370,8 +381,8 @@ impl GpuDecoder {
             gemm_decode_rows,
             tile_rows,
             decode_rows,
-            batch_decode_attention: std::env::var("MEMRA_BATCH_DECODE_ATTENTION")
-                .map_or(true, |v| v != "0"),
+            prompt_attention_from: env_usize("MEMRA_PROMPT_ATTENTION_FROM")
+                .unwrap_or(PROMPT_ATTENTION_FROM_DECODES),
             own_len: 0,
             n_ctx,
             buffer_bytes,
@@ -873,9 +884,15 @@ impl GpuDecoder {
     /// The decode step of `rows` sequences as a graph (`n_split` attention splits, which
     /// it rewrites as contexts grow).
     fn capture_decode(&mut self, n_split: usize, rows: usize) -> Result<DecodeGraph, CudaError> {
-        let attention: Vec<_> = ops::decode_kernels()
-            .map(|k| Ok(self.dev.function("attention", k)?.cu_function()))
-            .collect::<Result<_, CudaError>>()?;
+        let (head_dim, group) = (self.hp.head_dim_k, self.hp.n_head / self.hp.n_head_kv);
+        let kernel = |one_head| -> Result<_, CudaError> {
+            let name = ops::decode_kernel(head_dim, group, one_head);
+            Ok(self.dev.function("attention", name)?.cu_function())
+        };
+        let attention = DecodeKernels {
+            group: kernel(false)?,
+            one_head: kernel(true)?,
+        };
         let combine = self
             .dev
             .function("attention", "attn_combine")?
@@ -885,7 +902,7 @@ impl GpuDecoder {
             true => self.dev.loaded_functions(),
             false => HashSet::new(),
         };
-        DecodeGraph::capture(&stream, cc, &ours, n_split, &attention, combine, || {
+        DecodeGraph::capture(&stream, cc, &ours, n_split, attention, combine, || {
             self.record_step(n_split, rows)
         })
     }
@@ -930,11 +947,13 @@ impl GpuDecoder {
         let bb = self.batch.as_mut().expect("allocated above");
         bb.meta.fill(&self.dev, b)?;
         // The leading one-token sequences (the scheduler puts decodes first) take the
-        // decode attention, with as many splits as the partials' buffer holds for them.
-        let decodes = match self.batch_decode_attention {
-            true => (0..b.n_seqs())
-                .take_while(|&s| b.seq_tokens(s).len() == 1)
-                .count(),
+        // decode attention, with as many splits as the partials' buffer holds for them;
+        // many of them, the prompt attention.
+        let one_token = (0..b.n_seqs())
+            .take_while(|&s| b.seq_tokens(s).len() == 1)
+            .count();
+        let decodes = match one_token < self.prompt_attention_from {
+            true => one_token,
             false => 0,
         };
         let decode_ctx = b.context_len[..decodes].iter().copied().max().unwrap_or(1);

@@ -52,7 +52,15 @@ pub struct DecodeGraph {
     step: StepGraph,
     /// Each layer's decode attention node and its combine node, in capture order.
     attention: Vec<(KernelNode, KernelNode)>,
+    kernels: DecodeKernels,
     n_split: usize,
+}
+
+/// A model's two decode attention kernels: a block per KV head's group, or per query head.
+#[derive(Clone, Copy)]
+pub struct DecodeKernels {
+    pub group: CUfunction,
+    pub one_head: CUfunction,
 }
 
 // SAFETY: the graph's handles belong to the driver and may be used from any thread whose
@@ -161,21 +169,22 @@ impl StepGraph {
 
 impl DecodeGraph {
     /// Captures the decode step `record` launches (as [`StepGraph::capture`]), with
-    /// `n_split` attention splits. `attention` and `combine` are the two attention kernels
-    /// whose split count is rewritten later.
+    /// `n_split` attention splits. `attention` (the model's group and one-head kernels,
+    /// either captured: [`super::ops::decode_one_head`] picks) and `combine` are the
+    /// attention kernels whose split count is rewritten later.
     pub fn capture(
         stream: &std::sync::Arc<CudaStream>,
         compute_capability: (i32, i32),
         ours: &HashSet<CUfunction>,
         n_split: usize,
-        attention: &[CUfunction],
+        attention: DecodeKernels,
         combine: CUfunction,
         record: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<DecodeGraph, CudaError> {
         let step = StepGraph::capture(stream, compute_capability, ours, record)?;
         let (mut mains, mut combines) = (Vec::new(), Vec::new());
         for k in step.kernel_nodes()? {
-            if attention.contains(&k.params.func) {
+            if [attention.group, attention.one_head].contains(&k.params.func) {
                 mains.push(k);
             } else if k.params.func == combine {
                 combines.push(k);
@@ -191,6 +200,7 @@ impl DecodeGraph {
         Ok(DecodeGraph {
             step,
             attention: mains.into_iter().zip(combines).collect(),
+            kernels: attention,
             n_split,
         })
     }
@@ -219,9 +229,12 @@ impl DecodeGraph {
                     params.gridDimY = n_split as u32;
                     // SAFETY: the captured arguments at these indices are the i32 head counts.
                     let [nh, nkv] = DECODE_HEADS_ARGS.map(|i| unsafe { *(args[i] as *const i32) });
-                    let seqs = params.gridDimZ as usize;
-                    params.gridDimX =
-                        super::ops::decode_grid_x(nh as usize, nkv as usize, n_split, seqs) as u32;
+                    let (nh, nkv, seqs) = (nh as usize, nkv as usize, params.gridDimZ as usize);
+                    params.gridDimX = super::ops::decode_grid_x(nh, nkv, n_split, seqs) as u32;
+                    params.func = match super::ops::decode_one_head(nkv, n_split, seqs) {
+                        true => self.kernels.one_head,
+                        false => self.kernels.group,
+                    };
                 }
                 // SAFETY: same kernel, same topology; the arguments are read during the call.
                 unsafe {

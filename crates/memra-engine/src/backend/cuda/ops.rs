@@ -2,7 +2,9 @@
 //! normalization, rotary, attention, dequantization and embedding, MoE routing, the greedy
 //! pick. Each documents the shapes it needs; sizes are checked before launching.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use half::f16;
 use memra_gguf::GgmlType;
 
@@ -178,7 +180,41 @@ pub enum QkvRows<'a> {
     /// A fused product's rows, q, k and v side by side in each; q rotated into its own
     /// buffer.
     Fused(&'a CudaSlice<f32>),
+    /// A fused product's rows as its runs' split sums (the bias not yet added), which the
+    /// kernel adds in part order as the reduce would; q rotated into its own buffer.
+    Sums {
+        sums: &'a CudaSlice<f32>,
+        bias: Option<&'a CudaSlice<f32>>,
+        runs: &'a [SumsRun],
+    },
 }
+
+/// A run of a fused product's columns left as split sums: `cols` columns as `parts`
+/// arrays of `slots` rows, from element `offset` of the sums.
+#[derive(Clone, Copy, Debug)]
+pub struct SumsRun {
+    pub cols: usize,
+    pub parts: usize,
+    pub slots: usize,
+    pub offset: usize,
+}
+
+/// `QkvSums` in rope.cu.
+#[repr(C)]
+struct QkvSums {
+    sums: u64,
+    bias: u64,
+    end: [i32; 3],
+    parts: [i32; 3],
+    slots: [i32; 3],
+    off: [i64; 3],
+}
+
+// SAFETY: plain data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for QkvSums {}
+
+/// Most runs [`QkvRows::Sums`] takes (`QkvSums` in rope.cu).
+pub const MAX_SUMS_RUNS: usize = 3;
 
 /// The QK-norms (if any) and RoPE on q and k for `n_tok` tokens, token `t` at position
 /// `pos[t]`, then k and v into pool row `slot[t]`. `q`: n_tok x n_head x head_dim (read
@@ -205,6 +241,17 @@ pub fn rope_qk_append(
     let rows_fit = match &rows {
         QkvRows::Apart { k, v } => k.len() >= n_tok * kv_len && v.len() >= n_tok * kv_len,
         QkvRows::Fused(y) => y.len() >= n_tok * (q_len + 2 * kv_len),
+        QkvRows::Sums { sums, bias, runs } => {
+            !runs.is_empty()
+                && runs.len() <= MAX_SUMS_RUNS
+                && runs.iter().map(|r| r.cols).sum::<usize>() == q_len + 2 * kv_len
+                && runs.iter().all(|r| {
+                    r.parts >= 1
+                        && r.slots >= n_tok
+                        && sums.len() >= r.offset + r.parts * r.slots * r.cols
+                })
+                && bias.is_none_or(|b| b.len() >= q_len + 2 * kv_len)
+        }
     };
     check(
         q.len() >= n_tok * q_len
@@ -233,6 +280,14 @@ pub fn rope_qk_append(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
+    let mut qkv_sums = QkvSums {
+        sums: 0,
+        bias: 0,
+        end: [0; 3],
+        parts: [1; 3],
+        slots: [0; 3],
+        off: [0; 3],
+    };
     // Raw pointers: k and v may sit inside the fused rows, at their columns' offsets.
     let (q_in, k_ptr, v_ptr, ld_q, ld_kv) = match rows {
         QkvRows::Apart { k, v } => (
@@ -247,6 +302,21 @@ pub fn rope_qk_append(
             let f32s = |n: usize| (4 * n) as u64;
             let ld = q_len + 2 * kv_len;
             (p, p + f32s(q_len), p + f32s(q_len + kv_len), ld, ld)
+        }
+        QkvRows::Sums { sums, bias, runs } => {
+            qkv_sums.sums = sums.device_ptr(&dev.stream).0;
+            qkv_sums.bias = bias.map_or(0, |b| b.device_ptr(&dev.stream).0);
+            let mut end = 0;
+            for (i, r) in runs.iter().enumerate() {
+                end += r.cols;
+                qkv_sums.end[i] = end as i32;
+                qkv_sums.parts[i] = r.parts as i32;
+                qkv_sums.slots[i] = r.slots as i32;
+                qkv_sums.off[i] = r.offset as i64;
+            }
+            // The kernel reads the sums only; q_in is never read.
+            let p = q.device_ptr(&dev.stream).0;
+            (p, p, p, q_len, kv_len)
         }
     };
     let (ld_q, ld_kv) = (ld_q as i32, ld_kv as i32);
@@ -277,7 +347,7 @@ pub fn rope_qk_append(
                 None => b.arg(&null),
             };
         }
-        b.arg(&norms.eps).launch(cfg)?;
+        b.arg(&norms.eps).arg(&qkv_sums).launch(cfg)?;
     }
     Ok(())
 }
@@ -297,41 +367,42 @@ pub fn decode_splits(n_kv: usize) -> usize {
     n_kv.div_ceil(KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
 
-/// Query heads a decode attention block takes (of its KV head's group) while the launch
-/// has few blocks: fewer is less serial work per warp, which is what a short context's
-/// step costs (H200 tg128, 8 heads -> 2 -> 1: qwen3-30b-a3b 287.6 -> 321.5, then 354.8 ->
-/// 360.7 after the faster routing; llama3-8b 360.5 -> 371.6, then 373.2 -> 380.2;
-/// qwen2.5-0.5b 1,194.1 -> 1,221.2 from 2 to 1), but it reads the same keys once per
-/// share (llama3-8b tg128 @ d4096, 520 blocks: 337.4 -> 306.8 from 8 to 2).
-/// `MEMRA_DECODE_HEADS_PER_BLOCK` sets it, to measure.
-const DECODE_HEADS_PER_BLOCK: usize = 1;
-/// From this many blocks (KV heads x splits x sequences, about the H200's 132 SMs) the
-/// launch fills the GPU without sharing out the heads, and each block takes its group
-/// (H100, llama3-8b, 128-token prompts: sharing at every size instead took 32 rows from
-/// 5,303 to 4,794 t/s and 64 from 8,246 to 7,152; docs/cuda.md).
-const DECODE_SHARED_HEADS_BELOW_BLOCKS: usize = 128;
+/// Below this many blocks (KV heads x splits x sequences) a decode launch deals each
+/// query head a block of its own, with the one-head kernel (`attn_decode_d*_g1`); from it,
+/// a block takes its KV head's whole group, reading the keys once. Few heads a warp is less
+/// serial work per warp, which is what a short context's step costs (H200 tg128, 8 heads a
+/// block -> 2 -> 1: qwen3-30b-a3b 287.6 -> 321.5, llama3-8b 360.5 -> 371.6), but each head
+/// reads the keys again (llama3-8b tg128 @ d4096, 520 blocks: 337.4 -> 306.8 from 8 heads
+/// to 2). On the H100 (llama3-8b, 128-token prompts, 3 splits, docs/cuda.md), the one-head
+/// kernel against the group's: 1 row (24 blocks) 362.7 -> 369.6 t/s, 9 rows (216) 2,123 ->
+/// 2,237, 16 rows (384) 3,663 -> 3,672, 32 rows (768) 6,025 -> 5,845. The group kernel
+/// taking one head a block had been the rule below 128 blocks before.
+/// `MEMRA_DECODE_ONE_HEAD_BELOW` sets it, to measure.
+const DECODE_ONE_HEAD_BELOW_BLOCKS: usize = 384;
 
-fn decode_heads_per_block() -> usize {
+fn decode_one_head_below() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
-        std::env::var("MEMRA_DECODE_HEADS_PER_BLOCK")
+        std::env::var("MEMRA_DECODE_ONE_HEAD_BELOW")
             .ok()
             .and_then(|v| v.parse().ok())
-            .filter(|&n| n >= 1)
-            .unwrap_or(DECODE_HEADS_PER_BLOCK)
+            .unwrap_or(DECODE_ONE_HEAD_BELOW_BLOCKS)
     })
 }
 
-/// The decode attention's grid.x: n_head_kv times the shares each group's query heads
-/// are dealt into (the kernel derives a share's heads from it).
+/// Whether a decode launch of `n_seqs` sequences over `n_split` splits takes the one-head
+/// kernel (a block per query head) rather than the group's (a block per KV head).
+pub fn decode_one_head(n_head_kv: usize, n_split: usize, n_seqs: usize) -> bool {
+    n_head_kv * n_split * n_seqs < decode_one_head_below()
+}
+
+/// The decode attention's grid.x: a block per query head with the one-head kernel, else a
+/// block per KV head (the kernel derives its heads from gridDim.x).
 pub fn decode_grid_x(n_head: usize, n_head_kv: usize, n_split: usize, n_seqs: usize) -> usize {
-    let group = n_head / n_head_kv;
-    let shares = if n_head_kv * n_split * n_seqs >= DECODE_SHARED_HEADS_BELOW_BLOCKS {
-        1
-    } else {
-        group.div_ceil(decode_heads_per_block())
-    };
-    n_head_kv * shares
+    match decode_one_head(n_head_kv, n_split, n_seqs) {
+        true => n_head,
+        false => n_head_kv,
+    }
 }
 
 /// Decode attention, first half, for one query of each of `kv.n_seqs` sequences: block
@@ -368,7 +439,11 @@ pub fn attention_decode(
     )?;
     let f = dev.function(
         "attention",
-        decode_kernel(s.head_dim_k, s.n_head / s.n_head_kv),
+        decode_kernel(
+            s.head_dim_k,
+            s.n_head / s.n_head_kv,
+            decode_one_head(s.n_head_kv, n_split, n),
+        ),
     )?;
     // Two warps (DECODE_WARPS in attention.cu).
     let cfg = LaunchConfig {
@@ -400,28 +475,25 @@ pub fn attention_decode(
     Ok(())
 }
 
-/// The decode attention kernel for heads of `head_dim` and `group` query heads a KV head
-/// (a model's constant, so a captured graph keeps its kernel): compiled for groups of up
-/// to 4 or up to [`MAX_GROUP`] (`G` in attention.cu). The kernel for 8 running a group of 4
-/// took 4% more time at 1 row and 3-4% at 16 and 64 on llama3-8b (H100, docs/cuda.md).
-pub fn decode_kernel(head_dim: usize, group: usize) -> &'static str {
-    match (head_dim, group <= 4) {
-        (32, true) => "attn_decode_d32_g4",
-        (64, true) => "attn_decode_d64_g4",
-        (128, true) => "attn_decode_d128_g4",
-        (_, true) => "attn_decode_d256_g4",
-        (32, false) => "attn_decode_d32_g8",
-        (64, false) => "attn_decode_d64_g8",
-        (128, false) => "attn_decode_d128_g8",
+/// The decode attention kernel for heads of `head_dim`: the one-head kernel, or the group
+/// kernel compiled for groups of up to 4 or up to [`MAX_GROUP`] (`G` in attention.cu) as
+/// `group` needs. The kernel for 8 running a group of 4 took 4% more time at 1 row and 3-4%
+/// at 16 and 64 on llama3-8b (H100, docs/cuda.md).
+pub fn decode_kernel(head_dim: usize, group: usize, one_head: bool) -> &'static str {
+    match (head_dim, one_head, group <= 4) {
+        (32, true, _) => "attn_decode_d32_g1",
+        (64, true, _) => "attn_decode_d64_g1",
+        (128, true, _) => "attn_decode_d128_g1",
+        (_, true, _) => "attn_decode_d256_g1",
+        (32, false, true) => "attn_decode_d32_g4",
+        (64, false, true) => "attn_decode_d64_g4",
+        (128, false, true) => "attn_decode_d128_g4",
+        (_, false, true) => "attn_decode_d256_g4",
+        (32, false, false) => "attn_decode_d32_g8",
+        (64, false, false) => "attn_decode_d64_g8",
+        (128, false, false) => "attn_decode_d128_g8",
         _ => "attn_decode_d256_g8",
     }
-}
-
-/// Every decode attention kernel (those a graph's split count rewrites).
-pub fn decode_kernels() -> impl Iterator<Item = &'static str> {
-    [32, 64, 128, 256]
-        .into_iter()
-        .flat_map(|d| [4, MAX_GROUP].map(|g| decode_kernel(d, g)))
 }
 
 /// Decode attention, second half: merges the splits of `n_seqs` sequences into their
@@ -1603,6 +1675,128 @@ mod tests {
         let mut wts = dev.stream.alloc_zeros::<f32>(32).unwrap();
         for (n_exp, n_used) in [(1025, 8), (128, 17), (4, 8), (128, 0)] {
             assert!(moe_route(&dev, &ld, &mut ids, &mut wts, 1, n_exp, n_used, true).is_err());
+        }
+    }
+
+    /// The rope adding a fused q|k|v product's split sums itself (`QkvRows::Sums`) writes
+    /// what it writes from the reduced rows, bit for bit: one, two and three runs, a bias,
+    /// fresh random sums; runs that miss columns, or sums too short for them, refused.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_rope_adds_split_sums_as_the_reduce_would() {
+        let dev = CudaDevice::new(0).expect("GPU");
+        let mut seed = 0x5e75 ^ std::process::id() as u64;
+        let mut rnd = |scale: f32| ((lcg(&mut seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
+        let shape = AttentionShape {
+            n_head: 8,
+            n_head_kv: 2,
+            head_dim_k: 64,
+            head_dim_v: 64,
+            scale: 0.125,
+            window: None,
+        };
+        let (q_len, kv_len) = (8 * 64, 2 * 64);
+        let ld = q_len + 2 * kv_len;
+        let rope = DeviceRope {
+            halves: true,
+            n_dims: 64,
+            base: 10000.0,
+            freq_scale: 1.0,
+            freq_factors: None,
+        };
+        let (n, pool) = (5, 32);
+        let pos = dev.stream.clone_htod(&[3i32, 10, 0, 7, 20]).unwrap();
+        let slot = dev.stream.clone_htod(&[4i32, 9, 31, 0, 17]).unwrap();
+        let (pos, slot) = (pos.slice(..), slot.slice(..));
+        let norms = QkNorms {
+            q: None,
+            k: None,
+            eps: 1e-6,
+        };
+        let cases: [&[(usize, usize)]; 3] = [
+            &[(ld, 3)],
+            &[(q_len + kv_len, 2), (kv_len, 5)],
+            &[(q_len, 1), (kv_len, 4), (kv_len, 8)],
+        ];
+        for (ci, case) in cases.iter().enumerate() {
+            let slots = 8;
+            let mut runs = Vec::new();
+            let mut offset = 0;
+            for &(cols, parts) in case.iter() {
+                runs.push(SumsRun {
+                    cols,
+                    parts,
+                    slots,
+                    offset,
+                });
+                offset += parts * slots * cols;
+            }
+            let sums: Vec<f32> = (0..offset).map(|_| rnd(2.0)).collect();
+            let bias: Vec<f32> = (0..ld).map(|_| rnd(0.5)).collect();
+            // The reduce's sums on the host: the bias, then the parts in order.
+            let mut rows = vec![0.0f32; n * ld];
+            let mut at = 0;
+            for r in &runs {
+                for t in 0..n {
+                    for c in 0..r.cols {
+                        let mut acc = bias[at + c];
+                        for p in 0..r.parts {
+                            acc += sums[r.offset + p * r.slots * r.cols + t * r.cols + c];
+                        }
+                        rows[t * ld + at + c] = acc;
+                    }
+                }
+                at += r.cols;
+            }
+            let out = |qkv: QkvRows| {
+                let mut q = dev.stream.alloc_zeros::<f32>(n * q_len).unwrap();
+                let mut kc = dev.stream.alloc_zeros::<f16>(pool * kv_len).unwrap();
+                let mut vc = dev.stream.alloc_zeros::<f16>(pool * kv_len).unwrap();
+                rope_qk_append(
+                    &dev, &mut q, qkv, &mut kc, &mut vc, &shape, &rope, norms, &pos, &slot, n, pool,
+                )
+                .map(|_| {
+                    let q: Vec<u32> = dev
+                        .stream
+                        .clone_dtoh(&q)
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect();
+                    (
+                        q,
+                        dev.stream.clone_dtoh(&kc).unwrap(),
+                        dev.stream.clone_dtoh(&vc).unwrap(),
+                    )
+                })
+            };
+            let rows_d = dev.stream.clone_htod(&rows).unwrap();
+            let (sums_d, bias_d) = (
+                dev.stream.clone_htod(&sums).unwrap(),
+                dev.stream.clone_htod(&bias).unwrap(),
+            );
+            let want = out(QkvRows::Fused(&rows_d)).unwrap();
+            let sums_rows = |runs| QkvRows::Sums {
+                sums: &sums_d,
+                bias: Some(&bias_d),
+                runs,
+            };
+            let got = out(sums_rows(&runs)).unwrap();
+            assert!(
+                want.0 == got.0 && want.1 == got.1 && want.2 == got.2,
+                "case {ci}"
+            );
+            assert!(
+                want.1.iter().any(|h| h.to_f32() != 0.0),
+                "case {ci}: keys written"
+            );
+            // A run short of the columns, and sums too short for the last run.
+            let mut short = runs.clone();
+            short.last_mut().unwrap().cols -= 1;
+            assert!(out(sums_rows(&short)).is_err());
+            let mut past = runs.clone();
+            past.last_mut().unwrap().offset += 1;
+            assert!(out(sums_rows(&past)).is_err());
         }
     }
 }

@@ -94,8 +94,9 @@ pub(super) struct PromptPass<'a> {
     /// Tokens and sequences in the batch.
     pub n: usize,
     pub n_seqs: usize,
-    /// The leading sequences of one token each (decodes), whose attention runs through the
-    /// decode kernels in `decode_split` splits; the longest of the other sequences' tokens.
+    /// The leading sequences of one token each (decodes) whose attention runs through the
+    /// decode kernels in `decode_split` splits (none in steps of many: the decoder's
+    /// chooser); the longest of the other sequences' tokens.
     pub decodes: usize,
     pub decode_split: usize,
     pub longest: usize,
@@ -188,7 +189,7 @@ impl PromptPass<'_> {
         let xh = bb.xh.slice(..n * w.n_in);
         let sums = match w.tiles.as_deref().filter(|_| n <= self.tile_rows) {
             Some(t) => {
-                let (y, work) = (&mut bb.o.slice_mut(..), &mut bb.tile_work);
+                let (y, work) = (&mut bb.o.slice_mut(..), &mut bb.tile_work.slice_mut(..));
                 qgemm::qgemm_unreduced(self.dev, t, &xh, y, w.n_out, None, work, n)?
             }
             None => {
@@ -256,14 +257,19 @@ impl LayerOps for PromptPass<'_> {
         let (dev, n, l) = (self.dev, self.n, &self.w.layers[li]);
         self.add_norm(&l.attn_norm)?;
         let (nq, nk, nv) = (l.wq.n_out, l.wk.n_out, l.wv.n_out);
+        let mut runs = Vec::new();
         let fused = if !l.qkv_tiles.is_empty() && n <= self.tile_rows {
             // A tile product for each run of q, k and v sharing a layout, each into its
-            // columns of the fused rows, biases added by the products.
+            // columns of the fused rows, biases added by the products; or, where every run
+            // splits, left as their sums for the rope to add.
             let bb = &mut *self.bb;
             let xh = bb.xh.slice(..n * l.wq.n_in);
             let y = bb.qkv.as_mut().expect("allocated");
             let bias = l.bqkv.as_ref();
-            fused_products(dev, &l.qkv_tiles, bias, &xh, y, &mut bb.tile_work, n)?;
+            match qkv_sums(&l.qkv_tiles, n) {
+                true => runs = unreduced_products(dev, &l.qkv_tiles, &xh, y, &mut bb.tile_work, n)?,
+                false => fused_products(dev, &l.qkv_tiles, bias, &xh, y, &mut bb.tile_work, n)?,
+            }
             true
         } else if let Some(h) = l.qkv16.as_ref() {
             // One GEMM for q, k and v.
@@ -286,9 +292,14 @@ impl LayerOps for PromptPass<'_> {
         };
         let bb = &mut *self.bb;
         let (pos, slots) = (bb.meta.pos(), bb.meta.slots());
-        let rows = match fused {
-            true => ops::QkvRows::Fused(bb.qkv.as_ref().expect("allocated")),
-            false => ops::QkvRows::Apart { k: &bb.k, v: &bb.v },
+        let rows = match (fused, runs.is_empty()) {
+            (true, false) => ops::QkvRows::Sums {
+                sums: &bb.tile_work,
+                bias: l.bqkv.as_ref(),
+                runs: &runs,
+            },
+            (true, true) => ops::QkvRows::Fused(bb.qkv.as_ref().expect("allocated")),
+            (false, _) => ops::QkvRows::Apart { k: &bb.k, v: &bb.v },
         };
         ops::rope_qk_append(
             dev,
@@ -537,10 +548,19 @@ pub(super) fn alloc_batch(
         .layers
         .iter()
         .flat_map(|l| l.qkv_tiles.iter().chain(&l.gate_up_tiles));
+    // The fused q|k|v runs' sums side by side (`unreduced_products`).
+    let qkv_runs = w.layers.iter().map(|l| {
+        let lens = l
+            .qkv_tiles
+            .iter()
+            .map(|t| qgemm::work_len(t, DENSE_TILE_ROWS));
+        lens.sum::<usize>()
+    });
     let tile_work = matrices()
         .filter_map(|w| w.tiles.as_deref())
         .chain(fused_tiles)
         .map(|t| qgemm::work_len(t, DENSE_TILE_ROWS))
+        .chain(qkv_runs)
         .max()
         .unwrap_or(0);
     BatchBuffers::new(dev, &w.layers, widths, max_blocks, (w_max, tile_work))
@@ -566,6 +586,44 @@ fn fused_products(
         at += t.n_out;
     }
     Ok(())
+}
+
+/// Whether the fused q|k|v products of `n` rows are left as split sums for the rope to add
+/// (a reduce launch a run fewer): where every run splits, into at most
+/// [`ops::MAX_SUMS_RUNS`] runs.
+fn qkv_sums(tiles: &[TileMatrix], n: usize) -> bool {
+    tiles.len() <= ops::MAX_SUMS_RUNS && tiles.iter().all(|t| qgemm::work_len(t, n) > 0)
+}
+
+/// [`fused_products`] with every run's split sums left in `work`, one run after another
+/// (`y` untouched); the runs for [`ops::QkvRows::Sums`].
+fn unreduced_products(
+    dev: &CudaDevice,
+    tiles: &[TileMatrix],
+    x: &CudaView<f16>,
+    y: &mut CudaSlice<f32>,
+    work: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<Vec<ops::SumsRun>, CudaError> {
+    let ld = tiles.iter().map(|t| t.n_out).sum();
+    let (mut at, mut offset, mut runs) = (0, 0, Vec::new());
+    for t in tiles {
+        let (y, w) = (&mut y.slice_mut(at..), &mut work.slice_mut(offset..));
+        let qgemm::Sums::Parts { parts, slots } =
+            qgemm::qgemm_unreduced(dev, t, x, y, ld, None, w, n)?
+        else {
+            return Err(CudaError::Invalid("a run that does not split".into()));
+        };
+        runs.push(ops::SumsRun {
+            cols: t.n_out,
+            parts,
+            slots,
+            offset,
+        });
+        at += t.n_out;
+        offset += parts * slots * t.n_out;
+    }
+    Ok(runs)
 }
 
 /// What [`linear`] multiplies with besides the weights (borrowed from the batch buffers).

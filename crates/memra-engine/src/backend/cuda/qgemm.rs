@@ -366,7 +366,7 @@ pub(super) fn qgemm(
     work: &mut CudaSlice<f32>,
     n: usize,
 ) -> Result<(), CudaError> {
-    match qgemm_unreduced(dev, t, x, y, ldy, bias, work, n)? {
+    match qgemm_unreduced(dev, t, x, y, ldy, bias, &mut work.slice_mut(..), n)? {
         Sums::Done => Ok(()),
         Sums::Parts { parts, slots } => reduce(dev, work, bias, y, ldy, n, t.n_out, parts, slots),
     }
@@ -381,7 +381,7 @@ pub(super) fn qgemm_unreduced(
     y: &mut CudaViewMut<f32>,
     ldy: usize,
     bias: Option<&CudaView<f32>>,
-    work: &mut CudaSlice<f32>,
+    work: &mut CudaViewMut<f32>,
     n: usize,
 ) -> Result<Sums, CudaError> {
     let (k, m) = (t.n_in, t.n_out);
