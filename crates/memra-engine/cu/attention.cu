@@ -56,17 +56,17 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&out)[N]) {
 // launches of few blocks) or 4 or 8 (_g4, _g8: a KV head's group, the kernel compiled for
 // the model's group; ops::decode_kernel). Its loops and arrays run to G, so a group of 4 in
 // the kernel for 8 had paid for 8: llama3-8b on the H100, 16 rows 18.8 -> 16.0 us a layer
-// (2.40 -> 2.22 M instructions); and a block of one head in the kernel for 4 kept its
-// registers (164: the one-head kernel gave 9 rows +5%).
+// (2.40 -> 2.22 M instructions); and a block of one head in the kernel for 4 kept its 164
+// registers (the one-head kernel instead: 1 row +1.6%, 9 rows +1-5%, docs/cuda.md).
 #define DECODE_WARPS 2
 #define DECODE_BLOCK 16  // positions per KV block the decode kernel takes (bs_log2 == 4)
 
 // Decode: block (kv head and head share, split) takes its share of keys for its share of
 // the query heads of the group: gridDim.x is n_head_kv x the shares (the host's choice,
 // `decode_grid_x`: 1 or the group; a graph rewrites it, and the kernel, with the split
-// count), a share ceil(group / shares) heads. Fewer heads per warp is less serial work per warp: at short contexts the kernel is
-// one warp's instruction latency (8 query heads a warp took 2,800 instructions for 4 keys,
-// 18 us under Nsight Compute on the 30B-A3B).
+// count), a share ceil(group / shares) heads. Fewer heads per warp is less serial work per
+// warp: at short contexts the kernel is one warp's instruction latency (8 query heads a
+// warp took 2,800 instructions for 4 keys, 18 us under Nsight Compute on the 30B-A3B).
 // Each lane scores one key per 32-key step (its whole row: no reduction across lanes), the
 // warp updates its running softmax per head once per step, then accumulates the values
 // with the lanes spread over the head's dimensions. The block's warps merge in shared

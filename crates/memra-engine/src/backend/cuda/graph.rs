@@ -236,7 +236,8 @@ impl DecodeGraph {
                         false => self.kernels.group,
                     };
                 }
-                // SAFETY: same kernel, same topology; the arguments are read during the call.
+                // SAFETY: the captured kernel or its one-head twin (the same signature), same
+                // topology; the arguments are read during the call.
                 unsafe {
                     check(sys::cuGraphExecKernelNodeSetParams_v2(
                         exec, k.node, &params,

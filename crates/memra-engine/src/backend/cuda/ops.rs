@@ -375,8 +375,10 @@ pub fn decode_splits(n_kv: usize) -> usize {
 /// reads the keys again (llama3-8b tg128 @ d4096, 520 blocks: 337.4 -> 306.8 from 8 heads
 /// to 2). On the H100 (llama3-8b, 128-token prompts, 3 splits, docs/cuda.md), the one-head
 /// kernel against the group's: 1 row (24 blocks) 362.7 -> 369.6 t/s, 9 rows (216) 2,123 ->
-/// 2,237, 16 rows (384) 3,663 -> 3,672, 32 rows (768) 6,025 -> 5,845. The group kernel
-/// taking one head a block had been the rule below 128 blocks before.
+/// 2,237, 16 rows (384) 3,663 -> 3,672, 32 rows (768) 6,025 -> 5,845; in a second lease,
+/// the rule as it is against the group kernel taking one head a block below 128 blocks
+/// (the rule before): 1 row 362.3 -> 368.1, 9 rows 2,160 -> 2,184 (two runs each). Models
+/// with other groups and KV heads (qwen3-30b-a3b, Gemma, Qwen 0.5B) were not measured.
 /// `MEMRA_DECODE_ONE_HEAD_BELOW` sets it, to measure.
 const DECODE_ONE_HEAD_BELOW_BLOCKS: usize = 384;
 
