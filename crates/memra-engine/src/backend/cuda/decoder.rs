@@ -95,14 +95,14 @@ const PDL_DECODE_ROWS: usize = MAX_MATVEC_ROWS;
 
 /// Steps of at least this many leading decodes take the prompt attention for them (the
 /// tensor cores, a query's group heads as a tile's rows, no split partials to combine)
-/// rather than the decode kernels, and run eagerly (graphs are for steps of decode
-/// attention). H100, llama3-8b Q4_K_M, `bench --batched -npp 128 -ntg 32` (docs/cuda.md;
-/// the decode kernels' steps graphed, the prompt attention's eager): 64 rows 8,384-8,459
-/// t/s through the decode kernels against 7,184-7,366 through the prompt attention, 96 rows
-/// 9,286 against 9,671, 128 rows 11,822-11,875 against 12,458-12,654, 256 rows
-/// 16,646-16,777 against 18,822-18,903 (96 rows won by 4% too; 128 is the default the
-/// tests ran with). `MEMRA_PROMPT_ATTENTION_FROM` sets it, to measure.
-const PROMPT_ATTENTION_FROM_DECODES: usize = 128;
+/// rather than the decode kernels; a step of decodes alone is graphed either way (the
+/// prompt kernel's grid depends only on the row count). H100, llama3-8b Q4_K_M, `bench
+/// --batched -npp 128 -ntg 32`, both graphed (docs/cuda.md, 2026-12-07): 48 rows 6,336 /
+/// 6,301 t/s through the decode kernels against 5,804 through the prompt attention, 64
+/// rows 8,215 / 8,103 against 7,328, 96 rows 8,438 / 8,890 against 9,678 / 9,593, 128
+/// rows 10,508 / 10,639 against 11,985 / 12,621. `MEMRA_PROMPT_ATTENTION_FROM` sets it,
+/// to measure.
+const PROMPT_ATTENTION_FROM_DECODES: usize = 96;
 
 /// Graphs of batched decode steps kept at once (each a row count and split count seen
 /// twice); past it they are dropped and captured again as the counts come back.
@@ -968,7 +968,7 @@ impl GpuDecoder {
                 .all(|(i, &r)| r as usize == i);
         let graphable = self.use_graph
             && self.batch_graphs_work
-            && decodes == n
+            && one_token == n
             && n > MAX_MATVEC_ROWS
             && every_row
             && !host_logits;

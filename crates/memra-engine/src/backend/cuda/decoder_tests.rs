@@ -514,8 +514,9 @@ fn gpu_engine_batches_equal_alone() {
 /// count): greedy steps of 20 sequences through the GEMMs (then 18, then 20 again, and
 /// past a split change), and of 12 (then 10) through the mat-vec kernels, give exactly the
 /// ids (and the GEMM steps the logits) that the same steps give launched eagerly; so do
-/// steps of 12 (then 10) through the GEMM path's tile copies. The 20-row steps go without
-/// the tile copies, so that the f16 copies' GEMM graphs stay covered.
+/// steps of 12 (then 10) through the GEMM path's tile copies, and steps of 20 (then 18)
+/// through the prompt attention. The first 20-row steps go without the tile copies, so
+/// that the f16 copies' GEMM graphs stay covered.
 #[test]
 #[ignore = "needs an NVIDIA GPU and MEMRA_GPU_TEST_MODELS"]
 fn gpu_decode_graphs_equal_eager_steps() {
@@ -535,11 +536,12 @@ fn gpu_decode_graphs_equal_eager_steps() {
             .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
             .collect();
         // (ids, the last step's logits through the GEMMs, graphs captured).
-        let run = |graphs: bool, rows: usize, gemm_rows: usize, tiles: bool| {
+        let run = |graphs: bool, rows: usize, gemm_rows: usize, tiles: bool, prompt_from| {
             let pool = PoolSize::Tokens(most * ctx);
             let mut gpu = GpuDecoder::with_pool(0, &model.decoder, ctx, pool).unwrap();
             gpu.use_graph = graphs;
             gpu.gemm_decode_rows = gemm_rows;
+            gpu.prompt_attention_from = prompt_from;
             if !tiles {
                 gpu.tile_rows = 0;
             }
@@ -587,15 +589,17 @@ fn gpu_decode_graphs_equal_eager_steps() {
         };
         // Through the GEMMs from 17 rows, on the f16 copies (where the decoder keeps
         // them); through the GEMMs from 9 rows (the tile copies where it keeps them);
-        // through the mat-vec kernels always.
+        // through the mat-vec kernels always; through the GEMMs and the prompt attention.
+        let never = usize::MAX;
         let cases = [
-            (most, 17, false, 3),
-            (12, 9, true, 2),
-            (12, usize::MAX, true, 2),
+            (most, 17, false, 3, never),
+            (12, 9, true, 2, never),
+            (12, never, true, 2, never),
+            (most, 17, true, 2, 1),
         ];
-        for (rows, gemm_rows, tiles, want_graphs) in cases {
-            let (eager, eager_logits, none) = run(false, rows, gemm_rows, tiles);
-            let (graphed, graph_logits, captured) = run(true, rows, gemm_rows, tiles);
+        for (rows, gemm_rows, tiles, want_graphs, from) in cases {
+            let (eager, eager_logits, none) = run(false, rows, gemm_rows, tiles, from);
+            let (graphed, graph_logits, captured) = run(true, rows, gemm_rows, tiles, from);
             eprintln!("{path}: {rows} rows: {captured} step graphs captured");
             if none != 0 || captured < want_graphs {
                 failures.push(format!(
