@@ -392,6 +392,19 @@ __device__ __forceinline__ void mmvq_coop(int blk_id, const uint8_t* __restrict_
     }
 }
 
+// Block blk of the nblk over a matrix of nrows rows of type T: its rows' bytes into L2
+// before the wait for the previous kernel (weights are never written, prefetch_l2). Rows
+// per block as the grid implies them (a hint: where the kernel's R does not divide the
+// rows, a block's share here may be a little short of what it reads).
+template <int T>
+__device__ __forceinline__ void prefetch_block_rows(const uint8_t* w, int blk, int nblk, int nrows, int ncols) {
+    if (threadIdx.x != 0 || nblk <= 0) return;
+    const int per = (nrows + nblk - 1) / nblk, r0 = blk * per, r1 = min(nrows, r0 + per);
+    if (r1 <= r0) return;
+    const size_t rb = row_bytes_of(T, ncols);
+    prefetch_l2(w + (size_t)r0 * rb, (size_t)(r1 - r0) * rb);
+}
+
 // Up to three matrices per launch: block b works on matrix m where
 // first[m] <= b < first[m + 1] (first[0] = 0, first[3] = the grid size).
 struct MatvecSet {
@@ -402,31 +415,41 @@ struct MatvecSet {
     int first[4];
 };
 
-#define MMVQ(name, FN)                                                                                              \
+#define MMVQ(name, T, FN)                                                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
         name(MatvecSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,                            \
              const float* __restrict__ XS, int ncols, int ntok) {                                                   \
-        PDL_WAIT();                                                                                                 \
         /* Selects, not indexing: a dynamic index would copy the set to local memory. */                            \
         const int b = blockIdx.x;                                                                                   \
         const bool m2 = b >= set.first[2], m1 = !m2 && b >= set.first[1];                                           \
         const int first = m2 ? set.first[2] : m1 ? set.first[1] : 0;                                                \
+        const int end = m2 ? set.first[3] : m1 ? set.first[2] : set.first[1];                                      \
         const uint8_t* w = m2 ? set.w[2] : m1 ? set.w[1] : set.w[0];                                                \
         float* y = m2 ? set.y[2] : m1 ? set.y[1] : set.y[0];                                                        \
         const float* bias = m2 ? set.bias[2] : m1 ? set.bias[1] : set.bias[0];                                      \
         const int nrows = m2 ? set.nrows[2] : m1 ? set.nrows[1] : set.nrows[0];                                     \
+        prefetch_block_rows<T>(w, b - first, end - first, nrows, ncols);                                            \
+        PDL_WAIT();                                                                                                 \
         FN(b - first, w, XQ, XD, XS, y, bias, ncols, nrows, ntok);                                                        \
     }
 
 // The same with the set's last matrix (a layer's v) of another type, FN_B: one launch for
 // q, k and v where they are not all of one type (the decode graph's launches are its
 // cost at small batches).
-#define MMVQ_PAIR(name, FN_A, FN_B)                                                                                 \
+#define MMVQ_PAIR(name, TA, FN_A, TB, FN_B)                                                                         \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
         name(MatvecSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,                            \
              const float* __restrict__ XS, int ncols, int ntok) {                                                   \
-        PDL_WAIT();                                                                                                 \
         const int b = blockIdx.x;                                                                                   \
+        if (b >= set.first[2]) {                                                                                    \
+            prefetch_block_rows<TB>(set.w[2], b - set.first[2], set.first[3] - set.first[2], set.nrows[2], ncols); \
+        } else {                                                                                                    \
+            const bool m1 = b >= set.first[1];                                                                      \
+            prefetch_block_rows<TA>(m1 ? set.w[1] : set.w[0], b - (m1 ? set.first[1] : 0),                          \
+                                    m1 ? set.first[2] - set.first[1] : set.first[1], m1 ? set.nrows[1] : set.nrows[0], \
+                                    ncols);                                                                         \
+        }                                                                                                           \
+        PDL_WAIT();                                                                                                 \
         if (b >= set.first[2]) {                                                                                    \
             FN_B(b - set.first[2], set.w[2], XQ, XD, XS, set.y[2], set.bias[2], ncols, set.nrows[2], ntok);         \
         } else {                                                                                                    \
@@ -437,31 +460,31 @@ struct MatvecSet {
     }
 
 // Decode (one token) and batches of up to MAX_TOKENS; rows per block: the first number.
-MMVQ(mmvq_q4_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>))
-MMVQ(mmvq_q4_k_batch, (mmvq_coop<CoopQ4K, T_Q4_K, 2, MAX_TOKENS>))
-MMVQ(mmvq_q6_k_r, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
-MMVQ(mmvq_q6_k_r_batch, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 2, MAX_TOKENS>))
-MMVQ(mmvq_q8_0_r, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, 1>))
-MMVQ(mmvq_q8_0_r_batch, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, MAX_TOKENS>))
+MMVQ(mmvq_q4_k, T_Q4_K, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>))
+MMVQ(mmvq_q4_k_batch, T_Q4_K, (mmvq_coop<CoopQ4K, T_Q4_K, 2, MAX_TOKENS>))
+MMVQ(mmvq_q6_k_r, T_Q6_K_R, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
+MMVQ(mmvq_q6_k_r_batch, T_Q6_K_R, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 2, MAX_TOKENS>))
+MMVQ(mmvq_q8_0_r, T_Q8_0_R, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, 1>))
+MMVQ(mmvq_q8_0_r_batch, T_Q8_0_R, (mmvq_coop<CoopQ80R, T_Q8_0_R, 2, MAX_TOKENS>))
 // One warp per row.
-MMVQ(mmvq_q6_k, mmvq_q6_k)
-MMVQ(mmvq_q4_0, mmvq_generic<T_Q4_0>)
-MMVQ(mmvq_q4_1, mmvq_generic<T_Q4_1>)
-MMVQ(mmvq_q5_0, mmvq_generic<T_Q5_0>)
-MMVQ(mmvq_q5_1, mmvq_generic<T_Q5_1>)
-MMVQ(mmvq_q8_0, mmvq_generic<T_Q8_0>)
-MMVQ(mmvq_iq4_nl, mmvq_generic<T_IQ4_NL>)
-MMVQ(mmvq_q2_k, mmvq_generic<T_Q2_K>)
-MMVQ(mmvq_q3_k, mmvq_generic<T_Q3_K>)
-MMVQ(mmvq_q5_k, mmvq_generic<T_Q5_K>)
-MMVQ(mmvq_iq4_xs, mmvq_generic<T_IQ4_XS>)
-MMVQ(mmvq_f32, mmvq_float<T_F32>)
-MMVQ(mmvq_f32_coop, (mmvq_coop<CoopF32, T_F32, 2, 1>))
-MMVQ(mmvq_f16, mmvq_float<T_F16>)
-MMVQ(mmvq_bf16, mmvq_float<T_BF16>)
-MMVQ_PAIR(mmvq_q4_k_v_q6_k_r, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
-MMVQ_PAIR(mmvq_q4_k_v_q6_k, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), mmvq_q6_k)
-MMVQ_PAIR(mmvq_q5_0_v_q8_0, mmvq_generic<T_Q5_0>, mmvq_generic<T_Q8_0>)
+MMVQ(mmvq_q6_k, T_Q6_K, mmvq_q6_k)
+MMVQ(mmvq_q4_0, T_Q4_0, mmvq_generic<T_Q4_0>)
+MMVQ(mmvq_q4_1, T_Q4_1, mmvq_generic<T_Q4_1>)
+MMVQ(mmvq_q5_0, T_Q5_0, mmvq_generic<T_Q5_0>)
+MMVQ(mmvq_q5_1, T_Q5_1, mmvq_generic<T_Q5_1>)
+MMVQ(mmvq_q8_0, T_Q8_0, mmvq_generic<T_Q8_0>)
+MMVQ(mmvq_iq4_nl, T_IQ4_NL, mmvq_generic<T_IQ4_NL>)
+MMVQ(mmvq_q2_k, T_Q2_K, mmvq_generic<T_Q2_K>)
+MMVQ(mmvq_q3_k, T_Q3_K, mmvq_generic<T_Q3_K>)
+MMVQ(mmvq_q5_k, T_Q5_K, mmvq_generic<T_Q5_K>)
+MMVQ(mmvq_iq4_xs, T_IQ4_XS, mmvq_generic<T_IQ4_XS>)
+MMVQ(mmvq_f32, T_F32, mmvq_float<T_F32>)
+MMVQ(mmvq_f32_coop, T_F32, (mmvq_coop<CoopF32, T_F32, 2, 1>))
+MMVQ(mmvq_f16, T_F16, mmvq_float<T_F16>)
+MMVQ(mmvq_bf16, T_BF16, mmvq_float<T_BF16>)
+MMVQ_PAIR(mmvq_q4_k_v_q6_k_r, T_Q4_K, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), T_Q6_K_R, (mmvq_coop<CoopQ6K<T_Q6_K_R>, T_Q6_K_R, 8, 1>))
+MMVQ_PAIR(mmvq_q4_k_v_q6_k, T_Q4_K, (mmvq_coop<CoopQ4K, T_Q4_K, 8, 1>), T_Q6_K, mmvq_q6_k)
+MMVQ_PAIR(mmvq_q5_0_v_q8_0, T_Q5_0, mmvq_generic<T_Q5_0>, T_Q8_0, mmvq_generic<T_Q8_0>)
 
 // A MoE layer's F32 router for one token, and its routing: the router's rows as
 // mmvq_f32_coop computes them (2 a block) into `logits`, then the last block to finish (a
