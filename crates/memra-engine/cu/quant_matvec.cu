@@ -413,6 +413,7 @@ struct MatvecSet {
     const float* bias[3];  // added to each row's sum (Qwen2's q, k, v); may be null
     int nrows[3];
     int first[4];
+    int prefetch;  // whether blocks prefetch their rows (matvec.rs: PREFETCH_MAX_BYTES)
 };
 
 #define MMVQ(name, T, FN)                                                                                           \
@@ -428,7 +429,7 @@ struct MatvecSet {
         float* y = m2 ? set.y[2] : m1 ? set.y[1] : set.y[0];                                                        \
         const float* bias = m2 ? set.bias[2] : m1 ? set.bias[1] : set.bias[0];                                      \
         const int nrows = m2 ? set.nrows[2] : m1 ? set.nrows[1] : set.nrows[0];                                     \
-        prefetch_block_rows<T>(w, b - first, end - first, nrows, ncols);                                            \
+        if (set.prefetch) prefetch_block_rows<T>(w, b - first, end - first, nrows, ncols);                          \
         PDL_WAIT();                                                                                                 \
         FN(b - first, w, XQ, XD, XS, y, bias, ncols, nrows, ntok);                                                        \
     }
@@ -441,7 +442,8 @@ struct MatvecSet {
         name(MatvecSet set, const int8_t* __restrict__ XQ, const float* __restrict__ XD,                            \
              const float* __restrict__ XS, int ncols, int ntok) {                                                   \
         const int b = blockIdx.x;                                                                                   \
-        if (b >= set.first[2]) {                                                                                    \
+        if (!set.prefetch) {                                                                                        \
+        } else if (b >= set.first[2]) {                                                                             \
             prefetch_block_rows<TB>(set.w[2], b - set.first[2], set.first[3] - set.first[2], set.nrows[2], ncols); \
         } else {                                                                                                    \
             const bool m1 = b >= set.first[1];                                                                      \

@@ -383,6 +383,7 @@ struct MatvecSet {
     bias: [u64; 3],
     nrows: [i32; 3],
     first: [i32; 4],
+    prefetch: i32,
 }
 
 // SAFETY: plain data, laid out as the kernel's struct.
@@ -396,6 +397,25 @@ pub type Product<'a> = (
     usize,
     Option<&'a CudaSlice<f32>>,
 );
+
+/// The largest launch (its matrices' bytes together) whose blocks prefetch their weights
+/// into L2 before the wait for the previous kernel (`prefetch_block_rows` in
+/// quant_matvec.cu). Small launches gain: their blocks are resident early, while the
+/// previous kernel runs, and the weights' DRAM trip was most of their time. Measured on the
+/// H100 (docs/cuda.md), every launch prefetching: synthetic qwen2.5-0.5b tg128 1,290 /
+/// 1,314 -> 1,377 / 1,379 t/s, qwen3-30b-a3b 414 -> 440, but llama3-8b 376 -> 347 (its
+/// launches are 9-66 MB, thousands of blocks). `MEMRA_PREFETCH_MAX_BYTES` sets it, to measure.
+const PREFETCH_MAX_BYTES: usize = 8 << 20;
+
+fn prefetch_max_bytes() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MEMRA_PREFETCH_MAX_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(PREFETCH_MAX_BYTES)
+    })
+}
 
 /// The kernels' description of `mats` (`ntok` tokens), matrix i in rows of `shape(i).0`
 /// bytes taking `shape(i).1` rows a block, and the blocks in all.
@@ -411,8 +431,10 @@ fn matvec_set(
         bias: [0; 3],
         nrows: [0; 3],
         first: [0; 4],
+        prefetch: 0,
     };
     let mut blocks = 0usize;
+    let mut bytes = 0usize;
     for (i, (w, y, nrows, bias)) in mats.iter_mut().enumerate() {
         let (row_bytes, rows_per_block) = shape(i);
         if *nrows == 0
@@ -428,10 +450,12 @@ fn matvec_set(
         set.nrows[i] = *nrows as i32;
         set.first[i] = blocks as i32;
         blocks += nrows.div_ceil(rows_per_block);
+        bytes += row_bytes * *nrows;
     }
     for i in mats.len()..4 {
         set.first[i] = blocks as i32;
     }
+    set.prefetch = (bytes <= prefetch_max_bytes()) as i32;
     Ok((set, blocks))
 }
 
