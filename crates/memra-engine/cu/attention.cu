@@ -117,17 +117,6 @@ __device__ __forceinline__ void attn_decode(const float* __restrict__ q, const _
         const int b = begin + warp * WARP_SIZE;
         t0 = b < end ? bt[b / DECODE_BLOCK] : 0;
         t1 = b + DECODE_BLOCK < end ? bt[b / DECODE_BLOCK + 1] : t0;
-        // And the first step's key and value rows, a lane's own, into L2 (prefetch_l2: the
-        // newest row, which the previous kernel writes, is safe to prefetch too). At short
-        // contexts that step is the whole split, and its DRAM trip overlaps that kernel.
-        const int key = b + lane;
-        if (key < end && key >= first) {
-            const size_t at = ((size_t)(lane < DECODE_BLOCK ? t0 : t1) * DECODE_BLOCK + (lane & (DECODE_BLOCK - 1))) *
-                                  ((size_t)n_head_kv * D) +
-                              (size_t)kvh * D;
-            prefetch_l2(k_cache + at, D * sizeof(__half));
-            prefetch_l2(v_cache + at, D * sizeof(__half));
-        }
     }
     PDL_WAIT();
 

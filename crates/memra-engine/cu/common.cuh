@@ -22,9 +22,9 @@
 // A hint to bring bytes [p, p + n) into L2 (sm_90's bulk prefetch: one instruction, by one
 // thread). It returns nothing to registers and global memory is coherent in L2, so it may
 // run before PDL_WAIT even over bytes the previous kernel is still writing: the one-token
-// kernels start their weights' (and the decode attention its cache rows') trip from DRAM
-// while the previous kernel finishes. The range is shrunk to 16-byte bounds, as the
-// instruction needs; the bytes at the edges come later, by the loads themselves.
+// products start their weights' trip from DRAM while the previous kernel finishes. The
+// range is shrunk to 16-byte bounds, as the instruction needs; the bytes at the edges come
+// later, by the loads themselves.
 __device__ __forceinline__ void prefetch_l2(const void* p, size_t n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const size_t a = (size_t)p, s = (a + 15) & ~(size_t)15, e = (a + n) & ~(size_t)15;

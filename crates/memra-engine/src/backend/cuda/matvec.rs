@@ -402,9 +402,11 @@ pub type Product<'a> = (
 /// into L2 before the wait for the previous kernel (`prefetch_block_rows` in
 /// quant_matvec.cu). Small launches gain: their blocks are resident early, while the
 /// previous kernel runs, and the weights' DRAM trip was most of their time. Measured on the
-/// H100 (docs/cuda.md), every launch prefetching: synthetic qwen2.5-0.5b tg128 1,290 /
-/// 1,314 -> 1,377 / 1,379 t/s, qwen3-30b-a3b 414 -> 440, but llama3-8b 376 -> 347 (its
-/// launches are 9-66 MB, thousands of blocks). `MEMRA_PREFETCH_MAX_BYTES` sets it, to measure.
+/// H100 (docs/cuda.md), every launch prefetching (and the decode attention its cache rows,
+/// since removed): synthetic qwen2.5-0.5b tg128 1,290 / 1,314 -> 1,377 / 1,379 t/s,
+/// qwen3-30b-a3b 414 -> 440, but llama3-8b 376 -> 347. The 8B's launches are 9-66 MB, so
+/// under this bound it runs as before; the bound itself is not measured yet.
+/// `MEMRA_PREFETCH_MAX_BYTES` sets it, to measure.
 const PREFETCH_MAX_BYTES: usize = 8 << 20;
 
 fn prefetch_max_bytes() -> usize {
