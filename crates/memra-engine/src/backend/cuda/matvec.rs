@@ -400,8 +400,8 @@ pub type Product<'a> = (
 
 /// The largest launch (its matrices' bytes together) whose blocks prefetch their weights
 /// into L2 before the wait for the previous kernel (`prefetch_block_rows` in
-/// quant_matvec.cu). Small launches gain: their blocks are resident early, while the
-/// previous kernel runs, and the weights' DRAM trip was most of their time. Measured on the
+/// quant_matvec.cu). Small launches are where it should pay (their blocks are resident
+/// early, while the previous kernel runs; not profiled yet). Measured on the
 /// H100 (docs/cuda.md), every launch prefetching (and the decode attention its cache rows,
 /// since removed): synthetic qwen2.5-0.5b tg128 1,290 / 1,314 -> 1,377 / 1,379 t/s,
 /// qwen3-30b-a3b 414 -> 440, but llama3-8b 376 -> 347. The 8B's launches are 9-66 MB, so
