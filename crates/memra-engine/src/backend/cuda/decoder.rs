@@ -35,7 +35,7 @@ use super::sampling::{
     argmax, argmax_rows, mask_rows_on_device as ops_mask_rows, DevicePick, MAX_CANDIDATES,
 };
 use super::weights::{matrix_bytes, GpuWeights};
-use super::{CudaDevice, CudaError};
+use super::{env_usize, CudaDevice, CudaError};
 use crate::batch::{ForwardBatch, RowOut, RowPick};
 use crate::constraint::apply_mask;
 use crate::models::forward::forward;
@@ -1095,11 +1095,6 @@ impl GpuDecoder {
             grown: 0,
         }
     }
-}
-
-/// A variable's value as a count (unset or not a number: None).
-fn env_usize(name: &str) -> Option<usize> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 #[cfg(test)]

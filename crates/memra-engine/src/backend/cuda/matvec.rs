@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfi
 use memra_gguf::GgmlType;
 
 use super::ops::{blocks, grid_1d};
-use super::{CudaDevice, CudaError};
+use super::{env_usize, CudaDevice, CudaError};
 
 /// Tokens one call of the dp4a kernels handles (they keep one accumulator per token in
 /// registers); from here to [`MAX_MMQ_TOKENS`], the tensor-core kernels.
@@ -411,12 +411,7 @@ const PREFETCH_MAX_BYTES: usize = 8 << 20;
 
 fn prefetch_max_bytes() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("MEMRA_PREFETCH_MAX_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(PREFETCH_MAX_BYTES)
-    })
+    *N.get_or_init(|| env_usize("MEMRA_PREFETCH_MAX_BYTES").unwrap_or(PREFETCH_MAX_BYTES))
 }
 
 /// The smallest launch (its matrices' bytes together) of plain Q8_0 or Q5_0 rows that takes
@@ -432,12 +427,7 @@ const STAGED_MIN_BYTES: usize = usize::MAX;
 
 fn staged_min_bytes() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("MEMRA_STAGED_MIN_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(STAGED_MIN_BYTES)
-    })
+    *N.get_or_init(|| env_usize("MEMRA_STAGED_MIN_BYTES").unwrap_or(STAGED_MIN_BYTES))
 }
 
 /// The staged kernel for plain rows of `ty` of `row_bytes` in a launch of `bytes`, where

@@ -86,6 +86,12 @@ pub enum CudaError {
     Invalid(String),
 }
 
+/// A variable's value as a count (unset or not a number: None): the named thresholds'
+/// overrides, for measuring them.
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
 /// Whether this build can run on GPU 0: kernels built, a driver, and a GPU of the built
 /// architecture (what `--device` defaults to).
 pub fn usable_gpu() -> bool {

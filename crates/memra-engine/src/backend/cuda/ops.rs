@@ -9,7 +9,7 @@ use half::f16;
 use memra_gguf::GgmlType;
 
 use super::matvec::{device_type_id, regrouped, DeviceActs};
-use super::{CudaDevice, CudaError};
+use super::{env_usize, CudaDevice, CudaError};
 pub use crate::models::layers::AttentionShape;
 
 const THREADS: u32 = 256;
@@ -385,10 +385,7 @@ const DECODE_ONE_HEAD_BELOW_BLOCKS: usize = 384;
 fn decode_one_head_below() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
-        std::env::var("MEMRA_DECODE_ONE_HEAD_BELOW")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DECODE_ONE_HEAD_BELOW_BLOCKS)
+        env_usize("MEMRA_DECODE_ONE_HEAD_BELOW").unwrap_or(DECODE_ONE_HEAD_BELOW_BLOCKS)
     })
 }
 
