@@ -14,7 +14,7 @@ use memra_engine::engine::{
 use memra_engine::models::weights::WeightRows;
 use memra_engine::models::{LogitRows, Model};
 use memra_engine::scheduler::SchedulerConfig;
-use memra_engine::spec::SpecConfig;
+use memra_engine::spec::{DraftPolicy, SpecConfig};
 
 mod common;
 use common::model_path;
@@ -337,6 +337,7 @@ fn speculation_leaves_embeddings_alone() {
         draft_max: 6,
         draft_min: 1,
         max_batch: 8,
+        policy: DraftPolicy::Length,
     };
     let got = embed_all_usage(&engine_with(&model, 7, 4096, Some(spec)), &reqs);
     for ((g, u), w) in got.iter().zip(&want) {

@@ -13,7 +13,7 @@ use memra_engine::models::{LogitRows, Model};
 use memra_engine::sampler::{argmax, SamplerConfig};
 use memra_engine::scheduler::SchedulerConfig;
 use memra_engine::spec::draft::{check_vocab, DraftModel};
-use memra_engine::spec::SpecConfig;
+use memra_engine::spec::{DraftPolicy, SpecConfig};
 
 mod common;
 use common::model_path;
@@ -592,12 +592,24 @@ fn constrained_sequences_match_their_schema_beside_plain_ones() {
     );
 }
 
+/// Prompt lookup by the length rule, so that every step drafts what it finds (the cost
+/// rule stops drafting that loses, as it may on the CPU, leaving nothing to verify).
 fn spec_engine(model: &Arc<Model>, budget: usize, kv_tokens: usize) -> Engine {
+    spec_engine_by(model, budget, kv_tokens, DraftPolicy::Length)
+}
+
+fn spec_engine_by(
+    model: &Arc<Model>,
+    budget: usize,
+    kv_tokens: usize,
+    policy: DraftPolicy,
+) -> Engine {
     let spec = SpecConfig {
         ngram: 3,
         draft_max: 6,
         draft_min: 1,
         max_batch: 8,
+        policy,
     };
     engine_with(model, kv_tokens, 8, budget, Some(spec), None)
 }
@@ -700,6 +712,16 @@ fn speculative_sampling_keeps_the_distribution() {
 }
 
 fn draft_engine(target: &Arc<Model>, draft: &Arc<Model>, budget: usize, kv: usize) -> Engine {
+    draft_engine_by(target, draft, budget, kv, DraftPolicy::Length)
+}
+
+fn draft_engine_by(
+    target: &Arc<Model>,
+    draft: &Arc<Model>,
+    budget: usize,
+    kv: usize,
+    policy: DraftPolicy,
+) -> Engine {
     check_vocab(target, draft).unwrap();
     let d = DraftModel::new(
         draft.clone(),
@@ -710,8 +732,42 @@ fn draft_engine(target: &Arc<Model>, draft: &Arc<Model>, budget: usize, kv: usiz
         draft_max: 5,
         draft_min: 1,
         max_batch: 8,
+        policy,
     };
     engine_with(target, kv, 8, budget, Some(spec), Some(d))
+}
+
+/// The cost rule (draft lengths from measured step times, so they differ from run to run,
+/// and drafting may stop where it loses): still plain decoding's tokens, with prompt
+/// lookup and with a draft model, whole and chunked by a small budget.
+#[test]
+fn speculation_by_cost_gives_plain_decodings_tokens() {
+    let t = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
+    let d = Arc::new(Model::load(&model_path("tiny-qwen2")).unwrap());
+    let n = 24;
+    let mut ps = prompts(&t);
+    ps.push(
+        t.tokenizer
+            .encode(
+                "one two three four one two three four one two three",
+                true,
+                true,
+            )
+            .unwrap(),
+    );
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&t, p, n)).collect();
+    let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
+    for budget in [2048, 5] {
+        let lookup = spec_engine_by(&t, budget, N_CTX * 8, DraftPolicy::Cost);
+        let drafted = draft_engine_by(&t, &d, budget, N_CTX * 8, DraftPolicy::Cost);
+        for (engine, label) in [(lookup, "lookup"), (drafted, "draft model")] {
+            let got = run_all(&engine, &reqs);
+            for (i, ((ids, usage), w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(ids, w, "{label}, budget {budget}: prompt {i}");
+                assert!(usage.accepted_tokens <= usage.draft_tokens);
+            }
+        }
+    }
 }
 
 /// A draft model at temperature 0: every sequence gets plain decoding's tokens, with

@@ -1,7 +1,9 @@
 """Speculative decoding through `memra serve` (Qwen2.5-Coder 0.5B on the CPU): a server
 with prompt lookup, and one with a draft model (the same model drafting for itself: every
 draft is accepted), answer greedy requests, streamed or not, with exactly the text of the
-plain server; sampled requests still answer in the requested shape."""
+plain server; sampled requests still answer in the requested shape. The servers draft by
+the length rule (`--draft-policy length`): the default cost rule may stop drafting that
+does not pay, as on the CPU, which would leave nothing to verify."""
 
 import concurrent.futures
 
@@ -30,7 +32,7 @@ def complete(server, prompt, stream=False, **kw):
 @pytest.mark.parametrize("flags", [["--spec-ngram", "3"], ["--model-draft", str(QWEN)]],
                          ids=["prompt-lookup", "draft-model"])
 def test_speculative_server_gives_the_plain_servers_text(qwen, spawn, flags):
-    spec = spawn(QWEN, "-c", "1024", "-np", "4", *flags)
+    spec = spawn(QWEN, "-c", "1024", "-np", "4", "--draft-policy", "length", *flags)
     plain = [complete(qwen, p, temperature=0) for p in PROMPTS]
     # Concurrent requests: several speculating sequences in one step.
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -43,7 +45,7 @@ def test_speculative_server_gives_the_plain_servers_text(qwen, spawn, flags):
 
 
 def test_a_request_sets_its_own_draft_bounds(qwen, spawn):
-    spec = spawn(QWEN, "-c", "1024", "-np", "2", "--spec-ngram", "3")
+    spec = spawn(QWEN, "-c", "1024", "-np", "2", "--spec-ngram", "3", "--draft-policy", "length")
     plain = complete(qwen, PROMPTS[0], temperature=0)
     for bounds in [{"speculative.n_max": 0}, {"speculative.n_max": 2, "speculative.n_min": 1}]:
         assert complete(spec, PROMPTS[0], temperature=0, extra_body=bounds) == plain

@@ -22,7 +22,7 @@ use memra_engine::models::Model;
 use memra_engine::sampler::SamplerConfig;
 use memra_engine::scheduler::SchedulerConfig;
 use memra_engine::spec::draft::{check_vocab, DraftModel};
-use memra_engine::spec::SpecConfig;
+use memra_engine::spec::{DraftPolicy, SpecConfig};
 use memra_engine::tokenizer::template::{ChatInput, ChatTemplate};
 use memra_gguf::GgufFile;
 
@@ -106,6 +106,17 @@ pub struct SpecArgs {
     /// Speculate while at most this many sequences run (a large batch gains nothing).
     #[arg(long, default_value_t = 8)]
     pub spec_max_batch: usize,
+    /// How many tokens to draft: `cost` weighs the measured cost of a draft against the
+    /// sequence's acceptance and drafts only what pays (none where drafting loses, tried
+    /// again every 16 steps); `length` drafts twice the recent accepted count plus one.
+    #[arg(long, value_enum, default_value_t = DraftPolicyArg::Cost)]
+    pub draft_policy: DraftPolicyArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftPolicyArg {
+    Cost,
+    Length,
 }
 
 impl SpecArgs {
@@ -119,6 +130,10 @@ impl SpecArgs {
             draft_max: self.draft_max,
             draft_min: self.draft_min,
             max_batch: self.spec_max_batch,
+            policy: match self.draft_policy {
+                DraftPolicyArg::Cost => DraftPolicy::Cost,
+                DraftPolicyArg::Length => DraftPolicy::Length,
+            },
         };
         c.validate().map_err(anyhow::Error::msg)?;
         Ok(Some(c))

@@ -862,7 +862,8 @@ fn bench_spec_prompts_compares_speculation_with_plain_decoding() {
     let p = prompts.to_str().unwrap();
     let bench = |file: &str, n: &str, extra: &[&str]| {
         let mut args = vec!["bench", "-m", m, "--spec-prompts", file, "-n", n];
-        args.extend(["--device", "cpu"]);
+        // The length rule drafts whatever the lookup finds (the cost rule may not, here).
+        args.extend(["--device", "cpu", "--draft-policy", "length"]);
         args.extend_from_slice(extra);
         memra(&args)
     };

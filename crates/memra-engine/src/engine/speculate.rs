@@ -3,7 +3,7 @@
 
 use crate::batch::RowOut;
 use crate::sampler::{Distribution, Sampler};
-use crate::spec::{ngram, verify, DraftLength, SpecConfig, Verdict};
+use crate::spec::{ngram, verify, DraftLength, Verdict};
 
 /// A sequence's speculation state.
 #[derive(Debug, Default)]
@@ -17,12 +17,6 @@ pub(super) struct SpecState {
     /// Drafted and accepted tokens so far.
     pub drafted: usize,
     pub accepted: usize,
-}
-
-/// How many tokens a sequence drafts: what its recent acceptance asks, at most `room`
-/// (what the request may still generate, less the token after the drafts).
-pub(super) fn draft_len(c: &SpecConfig, s: &SpecState, room: usize) -> usize {
-    s.length.next(c).min(room)
 }
 
 /// Prompt-lookup drafts (matching up to `n` tokens) for a decoding sequence whose tokens

@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::embed::Pooled;
-use super::speculate::{draft_len, judge, lookup_drafts, SpecState};
+use super::speculate::{judge, lookup_drafts, SpecState};
 use super::{
     BatchRunner, Command, Event, EventSink, FinishReason, PromptScore, Request, StatsCell,
     TokenEvent, Usage,
@@ -20,7 +21,7 @@ use crate::models::Model;
 use crate::sampler::Sampler;
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, Sequence, Step};
 use crate::spec::draft::DraftModel;
-use crate::spec::SpecConfig;
+use crate::spec::{DraftPolicy, SpecConfig, SpecCosts};
 use crate::stop::StopFilter;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -55,6 +56,7 @@ pub(super) fn run(
     let blocks = BlockManager::new(runner.num_blocks(), runner.block_size());
     let mut sched = Scheduler::new(config, blocks);
     let mut live: HashMap<SeqId, Live> = HashMap::new();
+    let mut costs = SpecCosts::default();
     loop {
         stats.publish(
             sched.num_running(),
@@ -117,11 +119,12 @@ pub(super) fn run(
         if sched.is_idle() {
             continue;
         }
+        let drafting = Instant::now();
         if let Some(c) = spec.clone() {
             if let Some(d) = draft.as_mut() {
                 d.retain(|id| live.contains_key(&id));
             }
-            if let Err(e) = add_drafts(&mut sched, &mut live, &c, draft.as_mut()) {
+            if let Err(e) = add_drafts(&mut sched, &mut live, &c, &costs, draft.as_mut()) {
                 // The draft model failed: go on without speculation (every sequence decodes
                 // plainly; the text goes to stderr, where the server's log is).
                 eprintln!("memra: the draft model failed, speculation is off: {e}");
@@ -135,6 +138,7 @@ pub(super) fn run(
                 }
             }
         }
+        let drafting = drafting.elapsed();
         let step = sched.schedule();
         // Drafts of sequences the step does not compute (preempted, or no budget left) go.
         for (&id, l) in live.iter_mut() {
@@ -212,6 +216,7 @@ pub(super) fn run(
                 Pick::Logits => RowPick::Logits,
             })
             .collect();
+        let started = Instant::now();
         let result = std::thread::scope(|scope| {
             if !constrained.is_empty() {
                 let (constrained, slots) = (&mut constrained, &slots);
@@ -251,6 +256,11 @@ pub(super) fn run(
                 continue;
             }
         };
+        if spec.is_some() {
+            let caught_up = draft.as_ref().map_or(0, DraftModel::caught_up);
+            let secs = (drafting + started.elapsed()).as_secs_f64();
+            record_costs(&mut costs, &step, &live, caught_up, secs);
+        }
         sched.complete(&step);
         let mut hidden = outputs
             .split_off(batch.logit_rows.len().min(outputs.len()))
@@ -558,14 +568,18 @@ fn add_drafts(
     sched: &mut Scheduler,
     live: &mut HashMap<SeqId, Live>,
     c: &SpecConfig,
+    costs: &SpecCosts,
     draft: Option<&mut DraftModel>,
 ) -> Result<(), String> {
-    if sched.num_running() > c.max_batch {
+    let n = sched.num_running();
+    // The cost rule weighs drafts against a plain step of as many decodes: one is
+    // measured first.
+    if n > c.max_batch || (c.policy == DraftPolicy::Cost && costs.plain(n).is_none()) {
         return Ok(());
     }
     // (sequence, drafts at most, drafts at least)
     let mut want: Vec<(SeqId, usize, usize)> = Vec::new();
-    for (&id, l) in live.iter() {
+    for (&id, l) in live.iter_mut() {
         let p = &l.request.params;
         if p.constraint.is_some()
             || p.logprobs.is_some()
@@ -581,8 +595,9 @@ fn add_drafts(
         // The drafts and the token after them stay within max_tokens (and so within the
         // context, which the request was checked against).
         let room = p.max_tokens.saturating_sub(l.generated + 1);
-        let k = draft_len(c, &l.spec, room).min(p.draft_max.unwrap_or(usize::MAX));
+        let most = c.draft_max.min(room).min(p.draft_max.unwrap_or(usize::MAX));
         let least = p.draft_min.unwrap_or(c.draft_min).max(1);
+        let k = l.spec.length.next(c.policy, costs.ratio(n), least, most);
         if k >= least {
             want.push((id, k, least));
         }
@@ -623,6 +638,37 @@ fn add_drafts(
     Ok(())
 }
 
+/// Most tokens a sequence of a measured step may catch up with in the draft model: the
+/// catch-up after a verify step is one or two, after a plain step a few more; a new
+/// sequence's whole prompt is not a draft's cost.
+const MEASURED_CATCH_UP: usize = 4;
+
+/// Measures a step of decodes for the cost rule (`spec::DraftLength`): without drafts, a
+/// plain step of that many decodes; with them, what each draft added, drafting and
+/// verifying (`secs` is both). Steps with prompt chunks are not measured.
+fn record_costs(
+    costs: &mut SpecCosts,
+    step: &Step,
+    live: &HashMap<SeqId, Live>,
+    caught_up: usize,
+    secs: f64,
+) {
+    let mut drafts = 0;
+    for s in &step.seqs {
+        let verifies = live.get(&s.id).is_some_and(|l| !l.spec.draft.is_empty());
+        if verifies {
+            drafts += s.n - 1;
+        } else if s.n != 1 || !s.logits {
+            return;
+        }
+    }
+    match drafts {
+        0 => costs.record_plain(step.seqs.len(), secs),
+        _ if caught_up <= MEASURED_CATCH_UP => costs.record_cycle(step.seqs.len(), drafts, secs),
+        _ => {}
+    }
+}
+
 /// A verify step's result for one sequence: the drafts it accepted and its own next token
 /// sent, the rest dropped. Err holds why the sequence ends (or its error).
 fn settle(
@@ -650,7 +696,7 @@ fn settle(
     }
     l.spec.drafted += computed.len();
     l.spec.accepted += v.accepted;
-    l.spec.length.record(v.accepted);
+    l.spec.length.record(v.accepted, computed.len());
     let held = Emit::Held { recorded };
     let last = match recorded {
         true => Emit::AppendRecorded,

@@ -66,6 +66,8 @@ pub struct DraftModel {
     runner: Box<dyn BatchRunner>,
     blocks: BlockManager,
     seqs: HashMap<SeqId, DraftSeq>,
+    /// The most tokens one sequence caught up with in the last [`DraftModel::propose`].
+    caught_up: usize,
 }
 
 impl DraftModel {
@@ -76,7 +78,15 @@ impl DraftModel {
             runner,
             blocks,
             seqs: HashMap::new(),
+            caught_up: 0,
         }
+    }
+
+    /// The most verified tokens one sequence's first forward of the last proposal had to
+    /// compute (a new sequence's prompt, or the one or two a step gave): the engine's cost
+    /// rule measures only proposals that are drafting, not catching up on a prompt.
+    pub fn caught_up(&self) -> usize {
+        self.caught_up
     }
 
     pub fn describe(&self) -> String {
@@ -131,6 +141,11 @@ impl DraftModel {
                 )
             })
             .collect();
+        self.caught_up = active
+            .iter()
+            .map(|&(id, tokens, _, _)| tokens.len() - self.seqs[&id].computed)
+            .max()
+            .unwrap_or(0);
         let longest = active.iter().map(|a| a.2).max().unwrap_or(0);
         for j in 0..longest {
             let mut batch = ForwardBatch::new(bs);

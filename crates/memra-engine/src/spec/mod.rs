@@ -12,9 +12,11 @@
 //! (after its penalties, bias and filters) and q the draft's.
 
 pub mod draft;
+mod length;
 pub mod ngram;
 mod verify;
 
+pub use length::{best_length, DraftLength, DraftPolicy, SpecCosts, PROBE_AFTER};
 pub use verify::{verify, Verdict};
 
 /// How a sequence speculates.
@@ -29,6 +31,8 @@ pub struct SpecConfig {
     /// Speculate only while at most this many sequences run: a large batch is already
     /// compute-bound, where verifying rejected drafts costs real time.
     pub max_batch: usize,
+    /// How the draft length is chosen ([`DraftPolicy`]).
+    pub policy: DraftPolicy,
 }
 
 impl SpecConfig {
@@ -43,31 +47,5 @@ impl SpecConfig {
             ));
         }
         Ok(())
-    }
-}
-
-/// The draft length a sequence uses next, adapting to how many of its recent drafts were
-/// accepted: twice the recent acceptance plus one, within the configured bounds (drafts
-/// that keep failing shrink to the minimum; ones that keep passing grow to the maximum).
-#[derive(Clone, Debug)]
-pub struct DraftLength {
-    /// Exponential moving average of accepted drafts per step.
-    accepted: f32,
-}
-
-impl Default for DraftLength {
-    fn default() -> DraftLength {
-        DraftLength { accepted: 2.0 }
-    }
-}
-
-impl DraftLength {
-    pub fn next(&self, c: &SpecConfig) -> usize {
-        let want = (2.0 * self.accepted).ceil() as usize + 1;
-        want.clamp(c.draft_min.max(1), c.draft_max)
-    }
-
-    pub fn record(&mut self, accepted: usize) {
-        self.accepted = 0.7 * self.accepted + 0.3 * accepted as f32;
     }
 }

@@ -725,7 +725,7 @@ fn gpu_engine_constrained_sequences_match_their_schema() {
 fn gpu_speculative_greedy_equals_plain_decoding() {
     use crate::engine::{Engine, EngineConfig, Event, GenerationParams, GpuBatchRunner, Request};
     use crate::scheduler::SchedulerConfig;
-    use crate::spec::SpecConfig;
+    use crate::spec::{DraftPolicy, SpecConfig};
     use std::sync::Arc;
     let mut failures = Vec::new();
     for path in test_models() {
@@ -763,6 +763,7 @@ fn gpu_speculative_greedy_equals_plain_decoding() {
                     draft_max: 7,
                     draft_min: 1,
                     max_batch: 1,
+                    policy: DraftPolicy::Length,
                 }),
             },
         );

@@ -1,0 +1,318 @@
+//! How many tokens a sequence drafts next.
+//!
+//! A cycle of k drafts costs drafting them and verifying them, and gives the accepted
+//! drafts and the verify step's own token. With each draft passing with chance a (given
+//! the ones before it passed), that is (1 - a^(k+1)) / (1 - a) tokens in a plain step's
+//! time plus k times what a draft adds (drafting it and its row in the verify step):
+//! relative to plain decoding, f(k) = (1 - a^(k+1)) / ((1 - a)(1 + k c)), with c a draft's
+//! cost over a plain step's (Leviathan et al. 2023). The cost rule takes the k that makes
+//! f largest, and none where no k beats plain decoding (f(0) = 1): on the H200 the real
+//! Qwen 0.5B drafting for the 1.5B costs c = 0.54 a token, and at 75% acceptance the
+//! length rule's 5-7 drafts gave 0.86x plain decoding where f says one draft gives 1.14x
+//! (docs/engine.md). c and a are measured as the engine runs.
+
+/// How a sequence's draft length is chosen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftPolicy {
+    /// From the measured costs and the sequence's acceptance: the length with the most
+    /// tokens a second, none where drafting loses (tried again every `PROBE_AFTER` steps).
+    #[default]
+    Cost,
+    /// Twice the recent accepted count plus one, whatever drafting costs.
+    Length,
+}
+
+/// A sequence that does not draft because it would not pay drafts again after this many
+/// steps, so that its acceptance (and the costs) are measured again; the wait doubles
+/// after each probe that does not pay, up to `MAX_PROBE_AFTER` (a probe costs the draft
+/// model's catch-up with the tokens it missed, on the CPU as much as several steps).
+pub const PROBE_AFTER: usize = 16;
+const MAX_PROBE_AFTER: usize = 256;
+
+/// Weight of the newest measurement in the step costs' moving averages.
+const COST_WEIGHT: f64 = 0.25;
+
+/// Decay of the acceptance counts per verify step (about the last ten steps count).
+const ACCEPT_DECAY: f32 = 0.8;
+
+/// A sequence's recent acceptance and what it waited.
+#[derive(Clone, Debug)]
+pub struct DraftLength {
+    /// Exponential moving average of accepted drafts per step (the length rule).
+    accepted: f32,
+    /// Decaying counts of drafts passed and of drafts rejected (each step rejects at most
+    /// one: the first that fails ends it): a = passed / (passed + rejected) is the
+    /// per-draft acceptance's maximum-likelihood estimate for drafts that pass
+    /// independently.
+    passed: f32,
+    rejected: f32,
+    /// Steps without drafts since the cost rule last chose some, and how many it waits
+    /// before it probes.
+    waited: usize,
+    probe_after: usize,
+}
+
+impl Default for DraftLength {
+    fn default() -> DraftLength {
+        DraftLength {
+            accepted: 2.0,
+            passed: 2.0,
+            rejected: 1.0,
+            waited: 0,
+            probe_after: PROBE_AFTER,
+        }
+    }
+}
+
+impl DraftLength {
+    /// The next length: at most `most` and at least `least` (at least 1), or 0 (no drafts
+    /// this step). `ratio` is a draft's cost over a plain step's, where it is measured;
+    /// without it the length rule answers.
+    pub fn next(
+        &mut self,
+        policy: DraftPolicy,
+        ratio: Option<f64>,
+        least: usize,
+        most: usize,
+    ) -> usize {
+        let least = least.max(1);
+        if most < least {
+            return 0;
+        }
+        let by_length = || {
+            let want = (2.0 * self.accepted).ceil() as usize + 1;
+            want.clamp(least, most)
+        };
+        let (DraftPolicy::Cost, Some(c)) = (policy, ratio) else {
+            return by_length();
+        };
+        let k = best_length(self.acceptance(), c, least, most);
+        if k > 0 {
+            (self.waited, self.probe_after) = (0, PROBE_AFTER);
+            return k;
+        }
+        self.waited += 1;
+        if self.waited > self.probe_after {
+            self.waited = 0;
+            self.probe_after = (2 * self.probe_after).min(MAX_PROBE_AFTER);
+            return least;
+        }
+        0
+    }
+
+    /// A verify step took `accepted` of `drafted` drafts.
+    pub fn record(&mut self, accepted: usize, drafted: usize) {
+        self.accepted = 0.7 * self.accepted + 0.3 * accepted as f32;
+        self.passed = ACCEPT_DECAY * self.passed + accepted as f32;
+        self.rejected = ACCEPT_DECAY * self.rejected + f32::from(accepted < drafted);
+    }
+
+    /// The estimated chance that a draft passes.
+    pub fn acceptance(&self) -> f64 {
+        f64::from(self.passed / (self.passed + self.rejected))
+    }
+}
+
+/// The draft length in `least..=most` with the most tokens a second at acceptance `a` and
+/// cost ratio `c` (f above), or 0 where none beats plain decoding.
+pub fn best_length(a: f64, c: f64, least: usize, most: usize) -> usize {
+    // An acceptance of 1 would make every length free of rejections: keep f finite.
+    let a = a.clamp(0.0, 0.999);
+    let f = |k: usize| (1.0 - a.powi(k as i32 + 1)) / ((1.0 - a) * (1.0 + k as f64 * c.max(0.0)));
+    let (mut best, mut best_f) = (0, 1.0);
+    for k in least.max(1)..=most {
+        if f(k) > best_f {
+            (best, best_f) = (k, f(k));
+        }
+    }
+    best
+}
+
+/// What the engine's steps cost while it speculates, measured by the engine thread.
+#[derive(Debug, Default)]
+pub struct SpecCosts {
+    /// Seconds of a step of n decodes without drafts (index n - 1).
+    plain: Vec<Option<f64>>,
+    /// Seconds a drafted token adds to a step of decodes: drafting it, and its row in the
+    /// verify step.
+    per_draft: Option<f64>,
+}
+
+fn average(old: Option<f64>, new: f64) -> f64 {
+    match old {
+        Some(o) => o + COST_WEIGHT * (new - o),
+        None => new,
+    }
+}
+
+impl SpecCosts {
+    /// A step of `n` decodes, no drafts, took `secs`.
+    pub fn record_plain(&mut self, n: usize, secs: f64) {
+        if n == 0 {
+            return;
+        }
+        if self.plain.len() < n {
+            self.plain.resize(n, None);
+        }
+        self.plain[n - 1] = Some(average(self.plain[n - 1], secs));
+    }
+
+    /// A step of `n` decoding sequences with `drafts` drafted tokens among them took
+    /// `secs` to draft and verify (unused before a plain step of `n` is measured).
+    pub fn record_cycle(&mut self, n: usize, drafts: usize, secs: f64) {
+        let Some(plain) = self.plain(n) else { return };
+        if drafts == 0 {
+            return;
+        }
+        let each = ((secs - plain) / drafts as f64).max(0.0);
+        self.per_draft = Some(average(self.per_draft, each));
+    }
+
+    pub fn plain(&self, n: usize) -> Option<f64> {
+        self.plain.get(n.checked_sub(1)?).copied().flatten()
+    }
+
+    /// A draft's cost over a plain step of `n` decodes, once both are measured.
+    pub fn ratio(&self, n: usize) -> Option<f64> {
+        Some(self.per_draft? / self.plain(n)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Uniform in [0, 1), from a 64-bit LCG's high bits.
+    fn uniform(seed: &mut u64) -> f64 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*seed >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Tokens a second, relative to plain decoding, of k drafts a cycle, by simulation:
+    /// drafts pass independently with chance a; a cycle costs 1 + k c plain steps and
+    /// gives the passed drafts up to the first failure, and one more token.
+    fn simulated(a: f64, c: f64, k: usize, seed: &mut u64) -> f64 {
+        let cycles = 40_000;
+        let mut tokens = 0usize;
+        for _ in 0..cycles {
+            let passed = (0..k).take_while(|_| uniform(seed) < a).count();
+            tokens += passed + 1;
+        }
+        tokens as f64 / (cycles as f64 * (1.0 + k as f64 * c))
+    }
+
+    #[test]
+    fn best_length_is_the_fastest_in_a_simulation() {
+        let mut seed = 7u64;
+        for _ in 0..12 {
+            let a = 0.05 + 0.92 * uniform(&mut seed);
+            let c = 1.2 * uniform(&mut seed);
+            let (least, most) = (1, 8);
+            let k = best_length(a, c, least, most);
+            let rates: Vec<f64> = (0..=most)
+                .map(|k| match k {
+                    0 => 1.0,
+                    _ => simulated(a, c, k, &mut seed),
+                })
+                .collect();
+            let best = rates.iter().cloned().fold(0.0, f64::max);
+            // Within the simulation's noise of the fastest length (or of plain decoding).
+            assert!(
+                rates[k] >= best * 0.97,
+                "a {a:.3} c {c:.3}: chose {k} ({:.3}), rates {rates:?}",
+                rates[k]
+            );
+        }
+    }
+
+    #[test]
+    fn best_length_at_the_measured_h200_costs() {
+        // The real 0.5B drafting for the 1.5B: c = 0.80 / 1.48 ms.
+        assert_eq!(best_length(0.75, 0.54, 1, 7), 1);
+        // Drafts that rarely pass, or cost more than they give: none.
+        assert_eq!(best_length(0.3, 0.54, 1, 7), 0);
+        assert_eq!(best_length(0.9, 1.5, 1, 7), 0);
+        // Free drafts that pass: the most allowed; the floor is kept.
+        assert_eq!(best_length(0.9, 0.0, 1, 7), 7);
+        assert_eq!(best_length(0.9, 0.01, 3, 5), 5);
+        assert_eq!(best_length(0.75, 0.54, 3, 7), 3);
+        assert_eq!(best_length(0.75, 0.54, 4, 7), 0);
+        assert_eq!(best_length(1.0, 0.1, 1, 4), 4);
+    }
+
+    #[test]
+    fn acceptance_follows_the_verify_steps() {
+        let mut l = DraftLength::default();
+        for _ in 0..40 {
+            l.record(3, 4); // three pass, the fourth fails: a = 3/4
+        }
+        assert!((l.acceptance() - 0.75).abs() < 1e-3, "{}", l.acceptance());
+        for _ in 0..40 {
+            l.record(0, 2);
+        }
+        assert!(l.acceptance() < 0.01, "{}", l.acceptance());
+        for _ in 0..40 {
+            l.record(5, 5); // every draft passes: no rejection
+        }
+        assert!(l.acceptance() > 0.99, "{}", l.acceptance());
+    }
+
+    #[test]
+    fn the_cost_rule_stops_drafting_that_loses_and_probes_less_and_less() {
+        let mut l = DraftLength::default();
+        for _ in 0..40 {
+            l.record(0, 3);
+        }
+        let picks: Vec<usize> = (0..20 * PROBE_AFTER)
+            .map(|_| l.next(DraftPolicy::Cost, Some(0.5), 2, 7))
+            .collect();
+        let probes: Vec<usize> = picks
+            .iter()
+            .enumerate()
+            .filter(|(_, &k)| k > 0)
+            .map(|(i, _)| i)
+            .collect();
+        // After 16 steps, then 32 more, 64, 128, then every 256.
+        let mut want = Vec::new();
+        let (mut at, mut wait) = (0, PROBE_AFTER);
+        while at + wait < picks.len() {
+            want.push(at + wait);
+            at += wait + 1;
+            wait = (2 * wait).min(MAX_PROBE_AFTER);
+        }
+        assert_eq!(probes, want, "{picks:?}");
+        assert_eq!(&want[..3], [16, 49, 114]);
+        assert!(picks.iter().all(|&k| k == 0 || k == 2));
+        // Unmeasured costs, or the length rule: twice the recent acceptance plus one.
+        let mut l = DraftLength::default();
+        assert_eq!(l.next(DraftPolicy::Cost, None, 1, 7), 5);
+        assert_eq!(l.next(DraftPolicy::Length, Some(10.0), 1, 7), 5);
+        assert_eq!(l.next(DraftPolicy::Length, None, 1, 3), 3);
+        assert_eq!(l.next(DraftPolicy::Cost, Some(0.0), 4, 3), 0);
+    }
+
+    #[test]
+    fn step_costs_give_a_drafts_share_of_a_plain_step() {
+        let mut c = SpecCosts::default();
+        assert_eq!(c.ratio(1), None);
+        // A cycle before any plain step of its size is not used.
+        c.record_cycle(1, 4, 0.010);
+        assert_eq!(c.ratio(1), None);
+        c.record_plain(1, 0.002);
+        c.record_cycle(1, 4, 0.006);
+        assert!((c.ratio(1).unwrap() - 0.5).abs() < 1e-9);
+        // Moving averages: a second cycle at a draft costing a plain step moves a quarter.
+        c.record_cycle(1, 2, 0.006);
+        assert!((c.ratio(1).unwrap() - 0.625).abs() < 1e-9);
+        assert_eq!(c.ratio(2), None);
+        c.record_plain(3, 0.004);
+        assert_eq!(c.plain(2), None);
+        assert!((c.ratio(3).unwrap() - 0.3125).abs() < 1e-9);
+        // A cycle faster than plain (noise) counts as free drafts, not negative ones.
+        c.record_cycle(3, 1, 0.001);
+        assert!(c.ratio(3).unwrap() > 0.0);
+        c.record_plain(0, 1.0);
+    }
+}
