@@ -15,8 +15,7 @@
 //
 // Two kernel shapes: Q4_K and the regrouped Q6_K / Q8_0, the formats of nearly all decode
 // bytes, have block-cooperative kernels (`mmvq_coop`); every other format one warp per row
-// (`mmvq_generic`, `mmvq_staged` for Q8_0 and Q5_0 rows of whole 8-byte words, `mmvq_q6_k`
-// for Q6_K rows that are not whole groups, `mmvq_float`).
+// (`mmvq_generic`, `mmvq_q6_k` for Q6_K rows that are not whole groups, `mmvq_float`).
 #include "moe_route.cuh"
 #include "quant_blocks.cuh"
 
@@ -63,41 +62,6 @@ template <> struct MinKind<T_Q5_1> { static constexpr int v = 1; };
 template <> struct MinKind<T_Q5_K> { static constexpr int v = 1; };
 template <> struct MinKind<T_Q2_K> { static constexpr int v = 2; };
 
-// Sub-block s of 32 weights (unpacked into v, sc, mn) times each token's activations there,
-// added to acc.
-template <int T>
-__device__ __forceinline__ void dot_sub32(const int (&v)[8], const float (&sc)[2], const float (&mn)[2],
-                                          const int8_t* __restrict__ XQ, const float* __restrict__ XD,
-                                          const float* __restrict__ XS, int ncols, int s, int ntok,
-                                          float (&acc)[MAX_TOKENS]) {
-    const int n_subs = ncols / 32;
-#pragma unroll
-    for (int t = 0; t < MAX_TOKENS; ++t) {
-        if (t >= ntok) break;
-        int a[8];
-        load_act(XQ, (size_t)t * ncols + (size_t)s * 32, a);
-        int d0 = 0, d1 = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            d0 = __dp4a(v[i], a[i], d0);
-            d1 = __dp4a(v[i + 4], a[i + 4], d1);
-        }
-        const size_t ai = (size_t)t * n_subs + s;
-        float r = XD[ai] * (sc[0] * d0 + sc[1] * d1);
-        if (MinKind<T>::v == 1) r -= mn[0] * XS[ai];
-        if (MinKind<T>::v == 2) {
-            int h0 = 0, h1 = 0;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                h0 = __dp4a(0x01010101, a[i], h0);
-                h1 = __dp4a(0x01010101, a[i + 4], h1);
-            }
-            r -= XD[ai] * (mn[0] * h0 + mn[1] * h1);
-        }
-        acc[t] += r;
-    }
-}
-
 template <int T>
 __device__ __forceinline__ void mmvq_generic(int blk_id, const uint8_t* __restrict__ W,
                                              const int8_t* __restrict__ XQ, const float* __restrict__ XD,
@@ -113,57 +77,30 @@ __device__ __forceinline__ void mmvq_generic(int blk_id, const uint8_t* __restri
         int v[8];
         float sc[2], mn[2];
         unpack32<T>(wrow, s, v, sc, mn);
-        dot_sub32<T>(v, sc, mn, XQ, XD, XS, ncols, s, ntok, acc);
-    }
-    warp_store(acc, ntok, Y, B, nrows, row);
-}
-
-// Plain rows of blocks of 32 weights that are only 2-byte aligned (Q8_0's 34 bytes, Q5_0's
-// 22) where a row is whole 8-byte words (matvec.rs, `staged_kernel`): the warp copies each
-// 32 blocks of its row into shared memory with coalesced 8-byte loads, all in flight
-// together, and lane l unpacks block l of them from there, as mmvq_generic does from global
-// memory (the same lanes, blocks and order: the same sums, bit for bit). Unpacking from
-// global memory takes a 2-byte load per 2 bytes (17 for a Q8_0 block), and each of a warp's
-// loads touches every sector of the row: the 0.5B's Q8_0 head (rows of 28 blocks, not
-// whole regroups) was read at about 2 TB/s (docs/cuda.md).
-template <int T>
-__device__ __forceinline__ void mmvq_staged(int blk_id, const uint8_t* __restrict__ W,
-                                            const int8_t* __restrict__ XQ, const float* __restrict__ XD,
-                                            const float* __restrict__ XS, float* __restrict__ Y,
-                                            const float* __restrict__ B, int ncols, int nrows, int ntok) {
-    constexpr int BYTES = BlockTraits<T>::bytes;
-    static_assert(BlockTraits<T>::n == 32 && (WARP_SIZE * BYTES) % 8 == 0, "blocks of 32, even bytes");
-    constexpr int WORDS = WARP_SIZE * BYTES / 8;  // a chunk of 32 blocks
-    constexpr int PER_LANE = (WORDS + WARP_SIZE - 1) / WARP_SIZE;
-    __shared__ uint2 stage[ROWS_PER_BLOCK][WORDS];
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int row = blk_id * ROWS_PER_BLOCK + warp;
-    if (row >= nrows) return;  // the warp's own rows only: no block-wide barrier below
-    const int nb = ncols / 32;
-    const uint2* wrow = (const uint2*)(W + (size_t)row * nb * BYTES);
-    const uint8_t* blocks = (const uint8_t*)stage[warp];
-    float acc[MAX_TOKENS] = {0};
-    for (int c = 0; c < nb; c += WARP_SIZE) {
-        const int n_blk = min(WARP_SIZE, nb - c), words = n_blk * BYTES / 8;
-        const uint2* src = wrow + (size_t)c * BYTES / 8;
-        uint2 r[PER_LANE];
 #pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const int i = lane + j * WARP_SIZE;
-            if (i < words) r[j] = src[i];
-        }
-        __syncwarp();  // the previous chunk's reads of the stage are done
+        for (int t = 0; t < MAX_TOKENS; ++t) {
+            if (t >= ntok) break;
+            int a[8];
+            load_act(XQ, (size_t)t * ncols + (size_t)s * 32, a);
+            int d0 = 0, d1 = 0;
 #pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const int i = lane + j * WARP_SIZE;
-            if (i < words) stage[warp][i] = r[j];
-        }
-        __syncwarp();
-        if (lane < n_blk) {
-            int v[8];
-            float sc[2], mn[2];
-            unpack32<T>(blocks, lane, v, sc, mn);
-            dot_sub32<T>(v, sc, mn, XQ, XD, XS, ncols, c + lane, ntok, acc);
+            for (int i = 0; i < 4; ++i) {
+                d0 = __dp4a(v[i], a[i], d0);
+                d1 = __dp4a(v[i + 4], a[i + 4], d1);
+            }
+            const size_t ai = (size_t)t * n_subs + s;
+            float r = XD[ai] * (sc[0] * d0 + sc[1] * d1);
+            if (MinKind<T>::v == 1) r -= mn[0] * XS[ai];
+            if (MinKind<T>::v == 2) {
+                int h0 = 0, h1 = 0;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    h0 = __dp4a(0x01010101, a[i], h0);
+                    h1 = __dp4a(0x01010101, a[i + 4], h1);
+                }
+                r -= XD[ai] * (mn[0] * h0 + mn[1] * h1);
+            }
+            acc[t] += r;
         }
     }
     warp_store(acc, ntok, Y, B, nrows, row);
@@ -538,9 +475,6 @@ MMVQ(mmvq_q4_1, T_Q4_1, mmvq_generic<T_Q4_1>)
 MMVQ(mmvq_q5_0, T_Q5_0, mmvq_generic<T_Q5_0>)
 MMVQ(mmvq_q5_1, T_Q5_1, mmvq_generic<T_Q5_1>)
 MMVQ(mmvq_q8_0, T_Q8_0, mmvq_generic<T_Q8_0>)
-// Rows of whole 8-byte words (matvec.rs, `staged_kernel`).
-MMVQ(mmvq_q5_0_s, T_Q5_0, mmvq_staged<T_Q5_0>)
-MMVQ(mmvq_q8_0_s, T_Q8_0, mmvq_staged<T_Q8_0>)
 MMVQ(mmvq_iq4_nl, T_IQ4_NL, mmvq_generic<T_IQ4_NL>)
 MMVQ(mmvq_q2_k, T_Q2_K, mmvq_generic<T_Q2_K>)
 MMVQ(mmvq_q3_k, T_Q3_K, mmvq_generic<T_Q3_K>)

@@ -19,6 +19,16 @@ pub(super) struct SpecState {
     pub accepted: usize,
 }
 
+impl SpecState {
+    /// A new sequence's, its acceptance starting at the engine's recent one.
+    pub fn starting_at(acceptance: f64) -> SpecState {
+        SpecState {
+            length: DraftLength::starting_at(acceptance),
+            ..SpecState::default()
+        }
+    }
+}
+
 /// Prompt-lookup drafts (matching up to `n` tokens) for a decoding sequence whose tokens
 /// are `tokens`, at most `k`; none when fewer than `least` are found.
 pub(super) fn lookup_drafts(tokens: &[u32], n: usize, k: usize, least: usize) -> Vec<u32> {

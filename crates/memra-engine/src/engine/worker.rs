@@ -103,7 +103,7 @@ pub(super) fn run(
                             generated: 0,
                             scores: vec![PromptScore::default(); n_scores],
                             scores_sent: false,
-                            spec: SpecState::default(),
+                            spec: SpecState::starting_at(costs.acceptance()),
                             pooled: Pooled::default(),
                         },
                     );
@@ -296,7 +296,8 @@ pub(super) fn run(
                 continue;
             }
             if !l.spec.draft.is_empty() {
-                if let Err(e) = settle(tok, l, seq_rows, &mut sched, s, draft.as_mut()) {
+                if let Err(e) = settle(tok, l, seq_rows, &mut sched, s, draft.as_mut(), &mut costs)
+                {
                     match e {
                         Ok(reason) => finish(&mut sched, &mut live, s.id, reason),
                         Err(e) => fail(&mut sched, &mut live, s.id, &e),
@@ -678,6 +679,7 @@ fn settle(
     sched: &mut Scheduler,
     s: &Scheduled,
     draft: Option<&mut DraftModel>,
+    costs: &mut SpecCosts,
 ) -> Result<(), Result<FinishReason, String>> {
     let drafted = std::mem::take(&mut l.spec.draft);
     let q = l.spec.q.take();
@@ -697,6 +699,7 @@ fn settle(
     l.spec.drafted += computed.len();
     l.spec.accepted += v.accepted;
     l.spec.length.record(v.accepted, computed.len());
+    costs.record_verify(v.accepted, computed.len());
     let held = Emit::Held { recorded };
     let last = match recorded {
         true => Emit::AppendRecorded,

@@ -35,6 +35,12 @@ const COST_WEIGHT: f64 = 0.25;
 /// Decay of the acceptance counts per verify step (about the last ten steps count).
 const ACCEPT_DECAY: f32 = 0.8;
 
+/// A new sequence's acceptance counts as this many drafts at the engine's acceptance.
+const PRIOR_WEIGHT: f32 = 3.0;
+
+/// Decay of the engine's acceptance counts per verify step of any sequence.
+const ENGINE_ACCEPT_DECAY: f32 = 0.95;
+
 /// A sequence's recent acceptance and what it waited.
 #[derive(Clone, Debug)]
 pub struct DraftLength {
@@ -65,6 +71,17 @@ impl Default for DraftLength {
 }
 
 impl DraftLength {
+    /// A new sequence's state, its acceptance starting at `a` (the engine's recent one,
+    /// [`SpecCosts::acceptance`]) as if from three drafts.
+    pub fn starting_at(a: f64) -> DraftLength {
+        let a = a.clamp(0.0, 1.0) as f32;
+        DraftLength {
+            passed: PRIOR_WEIGHT * a,
+            rejected: PRIOR_WEIGHT * (1.0 - a),
+            ..DraftLength::default()
+        }
+    }
+
     /// The next length: at most `most` and at least `least` (at least 1), or 0 (no drafts
     /// this step). `ratio` is a draft's cost over a plain step's, where it is measured;
     /// without it the length rule answers.
@@ -128,14 +145,31 @@ pub fn best_length(a: f64, c: f64, least: usize, most: usize) -> usize {
     best
 }
 
-/// What the engine's steps cost while it speculates, measured by the engine thread.
-#[derive(Debug, Default)]
+/// What the engine's steps cost while it speculates, measured by the engine thread, and
+/// its sequences' recent acceptance (where a new sequence's starts: a draft model that
+/// rarely passes need not be tried again on every request).
+#[derive(Debug)]
 pub struct SpecCosts {
     /// Seconds of a step of n decodes without drafts (index n - 1).
     plain: Vec<Option<f64>>,
     /// Seconds a drafted token adds to a step of decodes: drafting it, and its row in the
     /// verify step.
     per_draft: Option<f64>,
+    /// Decaying counts of drafts passed and rejected, over every sequence's verify steps.
+    passed: f32,
+    rejected: f32,
+}
+
+impl Default for SpecCosts {
+    fn default() -> SpecCosts {
+        let d = DraftLength::default();
+        SpecCosts {
+            plain: Vec::new(),
+            per_draft: None,
+            passed: d.passed,
+            rejected: d.rejected,
+        }
+    }
 }
 
 fn average(old: Option<f64>, new: f64) -> f64 {
@@ -166,6 +200,17 @@ impl SpecCosts {
         }
         let each = ((secs - plain) / drafts as f64).max(0.0);
         self.per_draft = Some(average(self.per_draft, each));
+    }
+
+    /// A verify step of some sequence took `accepted` of `drafted` drafts.
+    pub fn record_verify(&mut self, accepted: usize, drafted: usize) {
+        self.passed = ENGINE_ACCEPT_DECAY * self.passed + accepted as f32;
+        self.rejected = ENGINE_ACCEPT_DECAY * self.rejected + f32::from(accepted < drafted);
+    }
+
+    /// The engine's recent acceptance (2/3 before any verify step).
+    pub fn acceptance(&self) -> f64 {
+        f64::from(self.passed / (self.passed + self.rejected))
     }
 
     pub fn plain(&self, n: usize) -> Option<f64> {
@@ -291,6 +336,35 @@ mod tests {
         assert_eq!(l.next(DraftPolicy::Length, Some(10.0), 1, 7), 5);
         assert_eq!(l.next(DraftPolicy::Length, None, 1, 3), 3);
         assert_eq!(l.next(DraftPolicy::Cost, Some(0.0), 4, 3), 0);
+    }
+
+    #[test]
+    fn new_sequences_start_from_the_engines_acceptance() {
+        let mut c = SpecCosts::default();
+        assert!((c.acceptance() - 2.0 / 3.0).abs() < 1e-6);
+        for _ in 0..100 {
+            c.record_verify(0, 3);
+        }
+        assert!(c.acceptance() < 0.01, "{}", c.acceptance());
+        // A sequence starting there does not draft at a draft's cost of half a step, where
+        // one starting from 2/3 would.
+        let mut fresh = DraftLength::starting_at(c.acceptance());
+        assert_eq!(fresh.next(DraftPolicy::Cost, Some(0.5), 1, 7), 0);
+        assert_eq!(
+            DraftLength::default().next(DraftPolicy::Cost, Some(0.5), 1, 7),
+            1
+        );
+        // Its own verify steps soon outweigh the start.
+        for _ in 0..10 {
+            fresh.record(4, 4);
+        }
+        assert!(fresh.acceptance() > 0.9, "{}", fresh.acceptance());
+        for _ in 0..100 {
+            c.record_verify(2, 2);
+        }
+        assert!(c.acceptance() > 0.99, "{}", c.acceptance());
+        let a = DraftLength::starting_at(0.75).acceptance();
+        assert!((a - 0.75).abs() < 1e-6, "{a}");
     }
 
     #[test]

@@ -414,36 +414,6 @@ fn prefetch_max_bytes() -> usize {
     *N.get_or_init(|| env_usize("MEMRA_PREFETCH_MAX_BYTES").unwrap_or(PREFETCH_MAX_BYTES))
 }
 
-/// The smallest launch (its matrices' bytes together) of plain Q8_0 or Q5_0 rows that takes
-/// the staged kernels (`mmvq_staged` in quant_matvec.cu: each 32 blocks of a row copied to
-/// shared memory with 8-byte loads, then unpacked from there; the same sums, bit for bit, as
-/// `mmvq_generic`'s unpacking from global memory with 2-byte loads). Written for the small
-/// models' tied Q8_0 heads (Qwen2.5 0.5B: 896 columns, 28 blocks a row, which are not whole
-/// regroups of 8; Gemma 3 270M: 640), which Nsight Compute showed read at about 2 TB/s. Off
-/// until a lease measures it (no GPU was lent when it was written, docs/cuda.md): the next
-/// one runs `MEMRA_STAGED_MIN_BYTES` at 0 (every such launch) and 33554432 (the heads only)
-/// beside this default, and `gpu_staged_rows_match_the_generic_kernel`.
-const STAGED_MIN_BYTES: usize = usize::MAX;
-
-fn staged_min_bytes() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| env_usize("MEMRA_STAGED_MIN_BYTES").unwrap_or(STAGED_MIN_BYTES))
-}
-
-/// The staged kernel for plain rows of `ty` of `row_bytes` in a launch of `bytes`, where
-/// it applies: rows of whole 8-byte words (the uploads are 16-byte aligned, so every row
-/// then starts at an 8-byte boundary).
-fn staged_kernel(ty: GgmlType, row_bytes: usize, bytes: usize) -> Option<&'static str> {
-    if row_bytes % 8 != 0 || bytes < staged_min_bytes() {
-        return None;
-    }
-    match ty {
-        GgmlType::Q8_0 if row_bytes % (8 * 34) != 0 => Some("mmvq_q8_0_s"),
-        GgmlType::Q5_0 => Some("mmvq_q5_0_s"),
-        _ => None,
-    }
-}
-
 /// The kernels' description of `mats` (`ntok` tokens), matrix i in rows of `shape(i).0`
 /// bytes taking `shape(i).1` rows a block, and the blocks in all.
 fn matvec_set(
@@ -512,8 +482,6 @@ pub fn mmvq_set(
         return Err(CudaError::Invalid("matvec: shapes".into()));
     }
     let (set, blocks) = matvec_set(dev, mats, ntok, |_| (row_bytes, rows_per_block as usize))?;
-    let bytes = row_bytes * mats.iter().map(|m| m.2).sum::<usize>();
-    let name = staged_kernel(ty, row_bytes, bytes).unwrap_or(name);
     launch_set(dev, name, &set, blocks, x, ncols, ntok)
 }
 

@@ -66,9 +66,8 @@ fn gpu_matvec_matches_the_cpu_reference() {
     let dev = CudaDevice::new(0).expect("GPU");
     let mut seed = 11u64;
     for ty in GPU_TYPES {
-        // 800 columns: Q8_0 rows that are not whole groups (the plain layout); 896: nor
-        // those, but whole 8-byte words (the staged kernels above their bound); 4096:
-        // Q6_K regrouped, 256 and 2816 not.
+        // 800 and 896 columns (the Qwen 0.5B's): Q8_0 rows that are not whole groups (the
+        // plain layout); 4096: Q6_K regrouped, 256 and 2816 not.
         for (ncols, nrows) in [
             (256usize, 1usize),
             (2816, 37),
@@ -96,67 +95,6 @@ fn gpu_matvec_matches_the_cpu_reference() {
         1,
     );
     assert!(matches!(none, Err(CudaError::Unsupported { .. })));
-}
-
-/// The staged kernels (plain Q8_0 and Q5_0 rows of whole 8-byte words, copied to shared
-/// memory before unpacking) give the generic kernels' sums bit for bit: rows of fewer
-/// than 32 blocks, of a chunk and a part, of several whole chunks; 1, 3 and 8 tokens;
-/// and the chooser takes them only for such rows, above its bound.
-#[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn gpu_staged_rows_match_the_generic_kernel() {
-    use GgmlType as G;
-    let dev = CudaDevice::new(0).expect("GPU");
-    let mut seed = 23u64;
-    for (ty, generic, staged) in [
-        (G::Q8_0, "mmvq_q8_0", "mmvq_q8_0_s"),
-        (G::Q5_0, "mmvq_q5_0", "mmvq_q5_0_s"),
-    ] {
-        for (ncols, nrows) in [(896usize, 9usize), (640, 13), (1152, 7), (4096, 5)] {
-            let row_bytes = ty.row_bytes(ncols as u64).unwrap() as usize;
-            let bytes = random_weights(ty, ncols, nrows, &mut seed);
-            let w = upload_weights(&dev, &bytes, ty, ncols).unwrap();
-            if ty == G::Q8_0 && regrouped(ty, ncols) {
-                assert_eq!(staged_kernel(ty, row_bytes, usize::MAX), None);
-                continue;
-            }
-            assert_eq!(staged_kernel(ty, row_bytes, usize::MAX), Some(staged));
-            assert_eq!(
-                staged_kernel(ty, row_bytes, 0).is_some(),
-                staged_min_bytes() == 0
-            );
-            for ntok in [1usize, 3, 8] {
-                let x: Vec<f32> = (0..ntok * ncols)
-                    .map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0)
-                    .collect();
-                let mut acts = DeviceActs::new(&dev, ntok * ncols).unwrap();
-                acts.quantize(&dev, &dev.stream.clone_htod(&x).unwrap(), ntok * ncols)
-                    .unwrap();
-                let bias: Vec<f32> = (0..nrows).map(|i| i as f32 / 10.0 - 0.5).collect();
-                let bias = dev.stream.clone_htod(&bias).unwrap();
-                let run = |name: &'static str| {
-                    let mut y = dev
-                        .stream
-                        .clone_htod(&vec![f32::NAN; ntok * nrows])
-                        .unwrap();
-                    let mut m = [(&w, &mut y, nrows, Some(&bias))];
-                    let (set, blocks) = matvec_set(&dev, &mut m, ntok, |_| (row_bytes, 4)).unwrap();
-                    launch_set(&dev, name, &set, blocks, &acts, ncols, ntok).unwrap();
-                    dev.stream.clone_dtoh(&y).unwrap()
-                };
-                let (a, b) = (run(generic), run(staged));
-                assert!(a.iter().all(|v| v.is_finite()) && a.iter().any(|v| *v != 0.0));
-                assert_eq!(
-                    a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{ty} at {ncols} columns, {ntok} tokens"
-                );
-            }
-        }
-    }
-    // Rows that are not whole 8-byte words (25 Q8_0 blocks) stay on the generic kernel.
-    assert_eq!(staged_kernel(G::Q8_0, 25 * 34, usize::MAX), None);
-    assert_eq!(staged_kernel(G::Q4K, 4 * 144, usize::MAX), None);
 }
 
 /// Multiplies `w` (`nrows` rows of `ncols` weights of `ty`) with `ntok` random tokens on
