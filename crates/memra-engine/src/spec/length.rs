@@ -29,8 +29,12 @@ pub enum DraftPolicy {
 pub const PROBE_AFTER: usize = 16;
 const MAX_PROBE_AFTER: usize = 256;
 
-/// Weight of the newest measurement in the step costs' moving averages.
-const COST_WEIGHT: f64 = 0.25;
+/// The step costs are the median of their last `COST_WINDOW` measurements, once there are
+/// `COST_MIN_SAMPLES`: a GPU runs a step of a new row count eagerly, then captures its
+/// graph, so the first two steps of a size are slow, and a median outvotes them (and the
+/// odd late step) where an average would carry them for many steps.
+const COST_WINDOW: usize = 9;
+const COST_MIN_SAMPLES: usize = 3;
 
 /// Decay of the acceptance counts per verify step (about the last ten steps count).
 const ACCEPT_DECAY: f32 = 0.8;
@@ -151,10 +155,10 @@ pub fn best_length(a: f64, c: f64, least: usize, most: usize) -> usize {
 #[derive(Debug)]
 pub struct SpecCosts {
     /// Seconds of a step of n decodes without drafts (index n - 1).
-    plain: Vec<Option<f64>>,
+    plain: Vec<Samples>,
     /// Seconds a drafted token adds to a step of decodes: drafting it, and its row in the
     /// verify step.
-    per_draft: Option<f64>,
+    per_draft: Samples,
     /// Decaying counts of drafts passed and rejected, over every sequence's verify steps.
     passed: f32,
     rejected: f32,
@@ -165,17 +169,32 @@ impl Default for SpecCosts {
         let d = DraftLength::default();
         SpecCosts {
             plain: Vec::new(),
-            per_draft: None,
+            per_draft: Samples::default(),
             passed: d.passed,
             rejected: d.rejected,
         }
     }
 }
 
-fn average(old: Option<f64>, new: f64) -> f64 {
-    match old {
-        Some(o) => o + COST_WEIGHT * (new - o),
-        None => new,
+/// The last `COST_WINDOW` measurements of a cost.
+#[derive(Clone, Debug, Default)]
+struct Samples(std::collections::VecDeque<f64>);
+
+impl Samples {
+    fn push(&mut self, v: f64) {
+        if self.0.len() == COST_WINDOW {
+            self.0.pop_front();
+        }
+        self.0.push_back(v);
+    }
+
+    fn median(&self) -> Option<f64> {
+        if self.0.len() < COST_MIN_SAMPLES {
+            return None;
+        }
+        let mut v: Vec<f64> = self.0.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
     }
 }
 
@@ -186,20 +205,20 @@ impl SpecCosts {
             return;
         }
         if self.plain.len() < n {
-            self.plain.resize(n, None);
+            self.plain.resize(n, Samples::default());
         }
-        self.plain[n - 1] = Some(average(self.plain[n - 1], secs));
+        self.plain[n - 1].push(secs);
     }
 
     /// A step of `n` decoding sequences with `drafts` drafted tokens among them took
-    /// `secs` to draft and verify (unused before a plain step of `n` is measured).
+    /// `secs` to draft and verify (unused before plain steps of `n` are measured).
     pub fn record_cycle(&mut self, n: usize, drafts: usize, secs: f64) {
         let Some(plain) = self.plain(n) else { return };
         if drafts == 0 {
             return;
         }
-        let each = ((secs - plain) / drafts as f64).max(0.0);
-        self.per_draft = Some(average(self.per_draft, each));
+        self.per_draft
+            .push(((secs - plain) / drafts as f64).max(0.0));
     }
 
     /// A verify step of some sequence took `accepted` of `drafted` drafts.
@@ -213,13 +232,14 @@ impl SpecCosts {
         f64::from(self.passed / (self.passed + self.rejected))
     }
 
+    /// A plain step of `n` decodes, once measured often enough.
     pub fn plain(&self, n: usize) -> Option<f64> {
-        self.plain.get(n.checked_sub(1)?).copied().flatten()
+        self.plain.get(n.checked_sub(1)?)?.median()
     }
 
     /// A draft's cost over a plain step of `n` decodes, once both are measured.
     pub fn ratio(&self, n: usize) -> Option<f64> {
-        Some(self.per_draft? / self.plain(n)?)
+        Some(self.per_draft.median()? / self.plain(n)?)
     }
 }
 
@@ -371,22 +391,43 @@ mod tests {
     fn step_costs_give_a_drafts_share_of_a_plain_step() {
         let mut c = SpecCosts::default();
         assert_eq!(c.ratio(1), None);
-        // A cycle before any plain step of its size is not used.
+        // Cycles before plain steps of their size are measured are not used.
         c.record_cycle(1, 4, 0.010);
-        assert_eq!(c.ratio(1), None);
+        // The first steps of a size (eager, then captured) are slow; three are needed.
+        for secs in [0.050, 0.020] {
+            c.record_plain(1, secs);
+            assert_eq!(c.plain(1), None);
+        }
         c.record_plain(1, 0.002);
+        assert_eq!(c.plain(1), Some(0.020));
+        c.record_plain(1, 0.002);
+        c.record_plain(1, 0.002);
+        assert_eq!(c.plain(1), Some(0.002));
+        for _ in 0..2 {
+            c.record_cycle(1, 4, 0.006);
+            assert_eq!(c.ratio(1), None);
+        }
         c.record_cycle(1, 4, 0.006);
         assert!((c.ratio(1).unwrap() - 0.5).abs() < 1e-9);
-        // Moving averages: a second cycle at a draft costing a plain step moves a quarter.
-        c.record_cycle(1, 2, 0.006);
-        assert!((c.ratio(1).unwrap() - 0.625).abs() < 1e-9);
+        // An odd slow cycle does not move the median; a run of them does.
+        c.record_cycle(1, 2, 0.100);
+        assert!((c.ratio(1).unwrap() - 0.5).abs() < 1e-9);
+        for _ in 0..8 {
+            c.record_cycle(1, 2, 0.006);
+        }
+        assert!((c.ratio(1).unwrap() - 1.0).abs() < 1e-9);
+        // Each row count apart.
         assert_eq!(c.ratio(2), None);
-        c.record_plain(3, 0.004);
+        for _ in 0..3 {
+            c.record_plain(3, 0.004);
+        }
         assert_eq!(c.plain(2), None);
-        assert!((c.ratio(3).unwrap() - 0.3125).abs() < 1e-9);
-        // A cycle faster than plain (noise) counts as free drafts, not negative ones.
-        c.record_cycle(3, 1, 0.001);
-        assert!(c.ratio(3).unwrap() > 0.0);
+        assert!((c.ratio(3).unwrap() - 0.5).abs() < 1e-9);
+        // Cycles faster than plain (noise) count as free drafts, not negative ones.
+        for _ in 0..9 {
+            c.record_cycle(3, 1, 0.001);
+        }
+        assert_eq!(c.ratio(3), Some(0.0));
         c.record_plain(0, 1.0);
     }
 }
