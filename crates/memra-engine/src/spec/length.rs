@@ -15,7 +15,8 @@
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DraftPolicy {
     /// From the measured costs and the sequence's acceptance: the length with the most
-    /// tokens a second, none where drafting loses (tried again every `PROBE_AFTER` steps).
+    /// tokens a second, none where drafting loses (tried again after `PROBE_AFTER` steps,
+    /// then at doubling intervals).
     #[default]
     Cost,
     /// Twice the recent accepted count plus one, whatever drafting costs.
