@@ -46,17 +46,38 @@ const PRIOR_WEIGHT: f32 = 3.0;
 /// Decay of the engine's acceptance counts per verify step of any sequence.
 const ENGINE_ACCEPT_DECAY: f32 = 0.95;
 
+/// Decaying counts of drafts passed and of drafts rejected (each verify step rejects at
+/// most one: the first that fails ends it): passed / (passed + rejected) is the per-draft
+/// acceptance's maximum-likelihood estimate for drafts that pass independently.
+#[derive(Clone, Copy, Debug)]
+struct Acceptance {
+    passed: f32,
+    rejected: f32,
+}
+
+impl Acceptance {
+    /// 2/3, as from three drafts.
+    const PRIOR: Acceptance = Acceptance {
+        passed: 2.0,
+        rejected: 1.0,
+    };
+
+    fn record(&mut self, decay: f32, accepted: usize, drafted: usize) {
+        self.passed = decay * self.passed + accepted as f32;
+        self.rejected = decay * self.rejected + f32::from(accepted < drafted);
+    }
+
+    fn rate(&self) -> f64 {
+        f64::from(self.passed / (self.passed + self.rejected))
+    }
+}
+
 /// A sequence's recent acceptance and what it waited.
 #[derive(Clone, Debug)]
 pub struct DraftLength {
     /// Exponential moving average of accepted drafts per step (the length rule).
     accepted: f32,
-    /// Decaying counts of drafts passed and of drafts rejected (each step rejects at most
-    /// one: the first that fails ends it): a = passed / (passed + rejected) is the
-    /// per-draft acceptance's maximum-likelihood estimate for drafts that pass
-    /// independently.
-    passed: f32,
-    rejected: f32,
+    acceptance: Acceptance,
     /// Steps without drafts since the cost rule last chose some, and how many it waits
     /// before it probes.
     waited: usize,
@@ -67,8 +88,7 @@ impl Default for DraftLength {
     fn default() -> DraftLength {
         DraftLength {
             accepted: 2.0,
-            passed: 2.0,
-            rejected: 1.0,
+            acceptance: Acceptance::PRIOR,
             waited: 0,
             probe_after: PROBE_AFTER,
         }
@@ -81,8 +101,10 @@ impl DraftLength {
     pub fn starting_at(a: f64) -> DraftLength {
         let a = a.clamp(0.0, 1.0) as f32;
         DraftLength {
-            passed: PRIOR_WEIGHT * a,
-            rejected: PRIOR_WEIGHT * (1.0 - a),
+            acceptance: Acceptance {
+                passed: PRIOR_WEIGHT * a,
+                rejected: PRIOR_WEIGHT * (1.0 - a),
+            },
             ..DraftLength::default()
         }
     }
@@ -125,13 +147,12 @@ impl DraftLength {
     /// A verify step took `accepted` of `drafted` drafts.
     pub fn record(&mut self, accepted: usize, drafted: usize) {
         self.accepted = 0.7 * self.accepted + 0.3 * accepted as f32;
-        self.passed = ACCEPT_DECAY * self.passed + accepted as f32;
-        self.rejected = ACCEPT_DECAY * self.rejected + f32::from(accepted < drafted);
+        self.acceptance.record(ACCEPT_DECAY, accepted, drafted);
     }
 
     /// The estimated chance that a draft passes.
     pub fn acceptance(&self) -> f64 {
-        f64::from(self.passed / (self.passed + self.rejected))
+        self.acceptance.rate()
     }
 }
 
@@ -160,19 +181,16 @@ pub struct SpecCosts {
     /// Seconds a drafted token adds to a step of decodes: drafting it, and its row in the
     /// verify step.
     per_draft: Samples,
-    /// Decaying counts of drafts passed and rejected, over every sequence's verify steps.
-    passed: f32,
-    rejected: f32,
+    /// Over every sequence's verify steps.
+    acceptance: Acceptance,
 }
 
 impl Default for SpecCosts {
     fn default() -> SpecCosts {
-        let d = DraftLength::default();
         SpecCosts {
             plain: Vec::new(),
             per_draft: Samples::default(),
-            passed: d.passed,
-            rejected: d.rejected,
+            acceptance: Acceptance::PRIOR,
         }
     }
 }
@@ -224,13 +242,13 @@ impl SpecCosts {
 
     /// A verify step of some sequence took `accepted` of `drafted` drafts.
     pub fn record_verify(&mut self, accepted: usize, drafted: usize) {
-        self.passed = ENGINE_ACCEPT_DECAY * self.passed + accepted as f32;
-        self.rejected = ENGINE_ACCEPT_DECAY * self.rejected + f32::from(accepted < drafted);
+        self.acceptance
+            .record(ENGINE_ACCEPT_DECAY, accepted, drafted);
     }
 
     /// The engine's recent acceptance (2/3 before any verify step).
     pub fn acceptance(&self) -> f64 {
-        f64::from(self.passed / (self.passed + self.rejected))
+        self.acceptance.rate()
     }
 
     /// A plain step of `n` decodes, once measured often enough.
