@@ -592,6 +592,14 @@ fn constrained_sequences_match_their_schema_beside_plain_ones() {
     );
 }
 
+/// The shared prompts and one that repeats itself, where prompt lookup finds drafts.
+fn lookup_prompts(model: &Model) -> Vec<Vec<u32>> {
+    let mut ps = prompts(model);
+    let repeating = "one two three four one two three four one two three";
+    ps.push(model.tokenizer.encode(repeating, true, true).unwrap());
+    ps
+}
+
 /// Prompt lookup by the length rule, so that every step drafts what it finds (the cost
 /// rule stops drafting that loses, as it may on the CPU, leaving nothing to verify).
 fn spec_engine(model: &Arc<Model>, budget: usize, kv_tokens: usize) -> Engine {
@@ -623,17 +631,7 @@ fn speculative_greedy_decoding_gives_plain_decodings_tokens() {
     for name in MODELS {
         let model = Arc::new(Model::load(&model_path(name)).unwrap());
         let n = 24;
-        let mut ps = prompts(&model);
-        ps.push(
-            model
-                .tokenizer
-                .encode(
-                    "one two three four one two three four one two three",
-                    true,
-                    true,
-                )
-                .unwrap(),
-        );
+        let ps = lookup_prompts(&model);
         let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&model, p, n)).collect();
         let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
         let longest = ps.iter().map(|p| p.len()).max().unwrap() + n;
@@ -745,16 +743,7 @@ fn speculation_by_cost_gives_plain_decodings_tokens() {
     let t = Arc::new(Model::load(&model_path("tiny-llama")).unwrap());
     let d = Arc::new(Model::load(&model_path("tiny-qwen2")).unwrap());
     let n = 24;
-    let mut ps = prompts(&t);
-    ps.push(
-        t.tokenizer
-            .encode(
-                "one two three four one two three four one two three",
-                true,
-                true,
-            )
-            .unwrap(),
-    );
+    let ps = lookup_prompts(&t);
     let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&t, p, n)).collect();
     let reqs: Vec<Request> = ps.iter().map(|p| request(p, n, greedy_config())).collect();
     for budget in [2048, 5] {

@@ -16,7 +16,7 @@ mod length;
 pub mod ngram;
 mod verify;
 
-pub use length::{best_length, DraftLength, DraftPolicy, SpecCosts, PROBE_AFTER};
+pub use length::{DraftLength, DraftPolicy, SpecCosts};
 pub use verify::{verify, Verdict};
 
 /// How a sequence speculates.
